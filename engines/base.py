@@ -1,0 +1,212 @@
+"""The inference-engine protocol and the typed structs that cross it.
+
+Every engine (the embedded `local` one, the `vllm` and `sglang` HTTP adapters, the router) takes
+token ids and sampling parameters and streams back sampled token ids with, for each token, its
+behaviour logprob and the policy version that produced it. Engines never see text: the gateway owns
+tokenization (DESIGN.md, "token truth").
+
+Behaviour logprob: the log-probability of the sampled token under the distribution it was sampled
+from, `log_softmax(logits / temperature)`, *before* top-p/top-k truncation and before min-token
+masking, which is what the trainer recomputes. With temperature 0 (greedy) it is
+`log_softmax(logits)`.
+
+This module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from engines.errors import EmptyPromptError, InvalidSamplingError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    """An end-of-sequence or stop token was sampled (it is the last token of the output)."""
+    LENGTH = "length"
+    """`max_new_tokens` or the model's context was reached."""
+    ABORT = "abort"
+    """The request was aborted (by `abort`, a cancelled consumer, or engine shutdown)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How to sample. `validate()` raises `InvalidSamplingError` naming the bad field."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    seed: int | None = None
+    """Per-request seed: the same seed, prompt and weights give the same tokens, batched or not."""
+    max_new_tokens: int | None = None
+    """At most this many new tokens; None means until the context is full."""
+    min_new_tokens: int = 0
+    """End-of-sequence and stop tokens are masked until this many tokens were generated."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end generation (the model's eos ids always do, unless ignore_eos)."""
+    ignore_eos: bool = False
+    """Do not stop on the model's eos ids (stop_token_ids still stop)."""
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
+            raise InvalidSamplingError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise InvalidSamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidSamplingError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise InvalidSamplingError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise InvalidSamplingError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise InvalidSamplingError(
+                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidSamplingError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
+            raise InvalidSamplingError(f"seed must fit in 64 bits, got {self.seed}")
+
+
+def _new_request_id() -> str:
+    return f"gen-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerateRequest:
+    """Token ids in. `prompt_ids` is non-empty; `request_id` is unique among live requests."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=_new_request_id)
+
+    def validate(self) -> None:
+        if not self.prompt_ids:
+            raise EmptyPromptError()
+        self.sampling.validate()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """A streamed piece of output: the tokens sampled since the previous chunk.
+
+    Invariant: `token_ids`, `logprobs` and `versions` have one length (possibly 0 on the final
+    chunk). `finish_reason` is set on the last chunk of a request and only there.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """A whole generation. Invariant: `token_ids`, `logprobs` and `versions` have one length."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightUpdate:
+    """New policy weights. Exactly one of `state_dict` (in-process tensors, names as in the HF
+    checkpoint) or `path` (a HF model directory with safetensors files) is set. `version`, when
+    given, must be greater than the engine's current version; None means current + 1."""
+
+    state_dict: Mapping[str, torch.Tensor] | None = None
+    path: Path | None = None
+    version: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.state_dict is None) == (self.path is None):
+            raise ValueError("a WeightUpdate carries exactly one of state_dict or path")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    ok: bool
+    """False when the engine cannot serve (closed or its worker died)."""
+    paused: bool
+    version: int
+    running: int
+    """Requests being decoded now."""
+    waiting: int
+    """Requests admitted but not yet prefilled."""
+    detail: str = ""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The one seam between the gateway/trainer and whatever samples tokens."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """Stream the generation. Raises `InvalidRequestError` subclasses before the first chunk
+        for bad input. Closing the iterator early aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Finish a live request now with `FinishReason.ABORT`; unknown ids are ignored."""
+        ...
+
+    async def pause(self) -> None:
+        """Stop decoding after the current step; requests stay queued. Idempotent."""
+        ...
+
+    async def resume(self) -> None:
+        """Continue decoding after `pause`. Idempotent."""
+        ...
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        """Swap the weights between decode steps and return the new version. In-flight requests
+        continue; their tokens sampled after the swap carry the new version."""
+        ...
+
+    def version(self) -> int:
+        """The policy version that the next sampled token will carry."""
+        ...
+
+    async def health(self) -> EngineHealth: ...
+
+    async def close(self) -> None:
+        """Abort every live request and release resources. Idempotent."""
+        ...
+
+
+async def collect(engine: Engine, request: GenerateRequest) -> GenerateResult:
+    """Run `request` to completion and gather its chunks into one `GenerateResult`."""
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    finish: FinishReason | None = None
+    async for chunk in engine.generate(request):
+        token_ids += chunk.token_ids
+        logprobs += chunk.logprobs
+        versions += chunk.versions
+        finish = chunk.finish_reason or finish
+    assert finish is not None, "an engine stream ended without a finish reason"
+    return GenerateResult(
+        request_id=request.request_id,
+        prompt_ids=request.prompt_ids,
+        token_ids=tuple(token_ids),
+        logprobs=tuple(logprobs),
+        versions=tuple(versions),
+        finish_reason=finish,
+    )

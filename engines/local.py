@@ -1,0 +1,496 @@
+"""The embedded local engine: a transformers model in this process with continuous batching.
+
+One worker thread owns the model. Each iteration it (1) applies aborts, (2) applies pending weight
+updates, (3) unless paused, prefills newly arrived requests into free KV slots and samples their
+first token, and (4) runs one batched decode step over every live sequence. Requests therefore join
+and leave between decode steps. Torch releases the GIL inside its kernels, so the asyncio event loop
+that serves HTTP keeps running while a step computes.
+
+Weight swaps happen between steps. After a swap the KV cache of every live sequence is recomputed
+under the new weights, so every token sampled after the swap carries the new version *and* its
+logprob is exactly the new policy's (a teacher-forced pass with the new weights reproduces it).
+
+Results reach the consumers' event loops with one `call_soon_threadsafe` per loop per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import secrets
+import threading
+from collections import defaultdict
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.base import (
+    EngineHealth,
+    FinishReason,
+    GenerateRequest,
+    TokenChunk,
+    WeightUpdate,
+)
+from engines.errors import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    PromptTooLongError,
+    TokenOutOfRangeError,
+    WeightUpdateError,
+)
+from engines.sampling import behaviour_logprobs, sample, truncate
+from engines.slot_model import SlotModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LocalEngineConfig:
+    model: str
+    """A Hugging Face model directory (see `rlgateway model tiny`)."""
+    device: str | None = None
+    """`cpu`, `cuda`, `cuda:1`...; None picks CUDA when present."""
+    dtype: str = "auto"
+    """`float32`, `bfloat16`, `float16`; auto is float32 on CPU and bfloat16 on CUDA."""
+    max_batch: int = 64
+    """Sequences decoded together; more wait for a free slot."""
+    max_model_len: int | None = None
+    """Context length (prompt + output); None uses the model's max_position_embeddings."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters the engine keeps about its own batching (read them, don't time them)."""
+
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    """Sum over decode steps of the batch size: tokens produced by decode steps."""
+    max_decode_batch: int = 0
+    prefills: int = 0
+    prefill_tokens: int = 0
+    weight_updates: int = 0
+
+    @property
+    def mean_decode_batch(self) -> float:
+        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
+
+
+_Item = TokenChunk | BaseException
+
+
+@dataclass(eq=False, slots=True)
+class _Seq:
+    request: GenerateRequest
+    tokens: list[int]
+    prompt_len: int
+    max_new: int
+    stops: frozenset[int]
+    generator: torch.Generator | None
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[_Item]
+    slot: int = -1
+    done: bool = False
+
+    @property
+    def num_new(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass(slots=True)
+class _Update:
+    update: WeightUpdate
+    future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
+
+
+class LocalEngine:
+    """Implements `engines.base.Engine` in-process. Build with `LocalEngine.load(config)`."""
+
+    def __init__(self, model: Any, config: LocalEngineConfig, eos_token_ids: frozenset[int]):
+        self.config = config
+        self.model = model
+        self.max_model_len = config.max_model_len or int(model.config.max_position_embeddings)
+        self.runner = SlotModel(model, max_slots=config.max_batch, max_model_len=self.max_model_len)
+        self.eos_token_ids = eos_token_ids
+        self.stats = EngineStats()
+        self._version = 0
+        self._cv = threading.Condition()
+        self._waiting: list[_Seq] = []
+        self._running: list[_Seq] = []
+        self._live: dict[str, _Seq] = {}
+        self._aborts: set[str] = set()
+        self._updates: list[_Update] = []
+        self._paused = False
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._step_lock = threading.Lock()
+        self._worker = threading.Thread(
+            target=self._run, name="rlgateway-local-engine", daemon=True
+        )
+        self._worker.start()
+
+    @classmethod
+    def load(cls, config: LocalEngineConfig) -> LocalEngine:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype_name = config.dtype
+        if dtype_name == "auto":
+            dtype_name = "float32" if device == "cpu" else "bfloat16"
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if dtype_name not in dtype:
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, not {dtype_name!r}"
+            )
+        model: Any = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype[dtype_name])
+        model.to(device).eval()
+        eos: set[int] = set()
+        sources: list[Any] = [model.config]
+        if (Path(config.model) / "generation_config.json").exists():
+            sources.append(GenerationConfig.from_pretrained(config.model))
+        for source in sources:
+            ids = source.eos_token_id
+            eos.update([ids] if isinstance(ids, int) else ids or [])
+        return cls(model, config, frozenset(eos))
+
+    # -- the Engine protocol -----------------------------------------------------------------
+
+    def version(self) -> int:
+        return self._version
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        request.validate()
+        n_prompt = len(request.prompt_ids)
+        asked = request.sampling.max_new_tokens
+        if n_prompt >= self.max_model_len or (
+            asked is not None and n_prompt + asked > self.max_model_len
+        ):
+            raise PromptTooLongError(n_prompt, asked or 0, self.max_model_len)
+        vocab = self.runner.vocab_size
+        for t in request.prompt_ids:
+            if not 0 <= t < vocab:
+                raise TokenOutOfRangeError(t, vocab)
+        return self._stream(request)
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        seq = self._make_seq(request)
+        with self._cv:
+            self._check_open()
+            if request.request_id in self._live:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already live")
+            self._live[request.request_id] = seq
+            self._waiting.append(seq)
+            self._cv.notify()
+        finished = False
+        try:
+            while not finished:
+                item = await seq.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            if not finished:
+                await self.abort(request.request_id)
+
+    def _make_seq(self, request: GenerateRequest) -> _Seq:
+        sp = request.sampling
+        n_prompt = len(request.prompt_ids)
+        room = self.max_model_len - n_prompt
+        stops = frozenset(sp.stop_token_ids) | (
+            frozenset() if sp.ignore_eos else self.eos_token_ids
+        )
+        generator = None
+        if sp.temperature > 0:
+            generator = torch.Generator(device=self.runner.device)
+            seed = sp.seed if sp.seed is not None else secrets.randbits(63)
+            generator.manual_seed(seed % 2**64)
+        return _Seq(
+            request=request,
+            tokens=list(request.prompt_ids),
+            prompt_len=n_prompt,
+            max_new=min(sp.max_new_tokens or room, room),
+            stops=stops,
+            generator=generator,
+            loop=asyncio.get_running_loop(),
+            queue=asyncio.Queue(),
+        )
+
+    async def abort(self, request_id: str) -> None:
+        with self._cv:
+            if request_id in self._live:
+                self._aborts.add(request_id)
+                self._cv.notify()
+
+    async def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+        # Returns once the step in progress (if any) has finished.
+        await asyncio.to_thread(self._wait_step)
+
+    async def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify()
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        pending = _Update(update)
+        with self._cv:
+            self._check_open()
+            self._updates.append(pending)
+            self._cv.notify()
+        return await asyncio.wrap_future(pending.future)
+
+    async def health(self) -> EngineHealth:
+        with self._cv:
+            ok = not self._closed and self._failure is None
+            detail = "" if ok else repr(self._failure or "closed")
+            return EngineHealth(
+                ok=ok,
+                paused=self._paused,
+                version=self._version,
+                running=len(self._running),
+                waiting=len(self._waiting),
+                detail=detail,
+            )
+
+    async def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify()
+        await asyncio.to_thread(self._worker.join)
+
+    # -- the worker --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._failure is not None:
+            raise EngineUnavailableError(f"the local engine failed: {self._failure!r}")
+        if self._closed:
+            raise EngineUnavailableError("the local engine is closed")
+
+    def _wait_step(self) -> None:
+        with self._step_lock:
+            pass
+
+    def _has_work(self) -> bool:
+        if self._closed or self._aborts or self._updates:
+            return True
+        return not self._paused and bool(self._running or self._waiting)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._has_work():
+                        self._cv.wait()
+                    if self._closed:
+                        break
+                    aborts, self._aborts = self._aborts, set()
+                    updates, self._updates = self._updates, []
+                    dropped = [s for s in self._waiting if s.request.request_id in aborts]
+                    self._waiting = [s for s in self._waiting if s.request.request_id not in aborts]
+                    admitted: list[_Seq] = []
+                    if not self._paused:
+                        free = self.config.max_batch - len(self._running)
+                        admitted, self._waiting = self._waiting[:free], self._waiting[free:]
+                with self._step_lock:
+                    self._step(aborts, dropped, updates, admitted)
+        except BaseException as exc:
+            log.exception("the local engine's worker failed")
+            with self._cv:
+                self._failure = exc
+        finally:
+            self._shutdown()
+
+    def _step(
+        self, aborts: set[str], dropped: list[_Seq], updates: list[_Update], admitted: list[_Seq]
+    ) -> None:
+        out = _Outbox()
+        for seq in [*dropped, *self._running]:
+            if seq.request.request_id in aborts:
+                self._finish(seq, FinishReason.ABORT, out)
+        self._compact()
+        for upd in updates:
+            self._apply_update(upd)
+        for seq in admitted:
+            seq.slot = len(self._running)
+            self._running.append(seq)
+            logits_V = self.runner.prefill(seq.slot, seq.tokens)
+            self.stats.prefills += 1
+            self.stats.prefill_tokens += len(seq.tokens)
+            self._sample([seq], logits_V[None], out)
+        self._compact()
+        if self._running:
+            batch = list(self._running)
+            logits_BV = self.runner.decode(
+                [s.tokens[-1] for s in batch], [len(s.tokens) - 1 for s in batch]
+            )
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += len(batch)
+            self.stats.max_decode_batch = max(self.stats.max_decode_batch, len(batch))
+            self._sample(batch, logits_BV, out)
+            self._compact()
+        out.flush()
+
+    def _sample(self, batch: list[_Seq], logits_BV: torch.Tensor, out: _Outbox) -> None:
+        dev = logits_BV.device
+        sps = [s.request.sampling for s in batch]
+        logp_BV = behaviour_logprobs(
+            logits_BV, torch.tensor([sp.temperature for sp in sps], device=dev)
+        )
+        draw_BV = logp_BV
+        banned = [(b, s.stops) for b, s in enumerate(batch) if s.num_new < sps[b].min_new_tokens]
+        if banned:
+            draw_BV = draw_BV.clone()
+            for b, stops in banned:
+                draw_BV[b, list(stops)] = float("-inf")
+        if any(sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0) for sp in sps):
+            draw_BV = truncate(
+                draw_BV,
+                torch.tensor([sp.top_k for sp in sps], device=dev),
+                torch.tensor([sp.top_p for sp in sps], device=dev),
+            )
+        tokens_B = sample(
+            draw_BV,
+            greedy_B=[sp.temperature == 0 for sp in sps],
+            generators=[s.generator for s in batch],
+        )
+        chosen_B = logp_BV.gather(-1, tokens_B[:, None])[:, 0]
+        version = self._version
+        for seq, tok, lp in zip(batch, tokens_B.tolist(), chosen_B.tolist(), strict=True):
+            seq.tokens.append(tok)
+            finish = None
+            if tok in seq.stops:
+                finish = FinishReason.STOP
+            elif seq.num_new >= seq.max_new:
+                finish = FinishReason.LENGTH
+            out.put(seq, TokenChunk((tok,), (lp,), (version,), finish))
+            if finish is not None:
+                self._finish(seq, finish, out, announce=False)
+
+    def _finish(
+        self, seq: _Seq, reason: FinishReason, out: _Outbox, *, announce: bool = True
+    ) -> None:
+        seq.done = True
+        with self._cv:
+            self._live.pop(seq.request.request_id, None)
+        if announce:
+            out.put(seq, TokenChunk((), (), (), reason))
+
+    def _compact(self) -> None:
+        """Drop finished sequences; the last live ones move into the freed slots."""
+        running = self._running
+        i = 0
+        while i < len(running):
+            if not running[i].done:
+                i += 1
+                continue
+            last = running.pop()
+            if i < len(running):
+                if not last.done:
+                    self.runner.move_slot(last.slot, i, len(last.tokens) - 1)
+                last.slot = i
+                running[i] = last
+
+    def _apply_update(self, upd: _Update) -> None:
+        try:
+            version = self._load_weights(upd.update)
+        except WeightUpdateError as exc:
+            upd.future.set_exception(exc)
+            return
+        # Recompute the cache of every live sequence under the new weights.
+        for seq in self._running:
+            self.runner.prefill(seq.slot, seq.tokens[:-1])
+        self._version = version
+        self.stats.weight_updates += 1
+        upd.future.set_result(version)
+
+    def _load_weights(self, update: WeightUpdate) -> int:
+        version = update.version if update.version is not None else self._version + 1
+        if version <= self._version:
+            raise WeightUpdateError(
+                f"version {version} is not newer than the current version {self._version}"
+            )
+        state = update.state_dict if update.state_dict is not None else _read_dir(update.path)
+        params = dict(self.model.named_parameters())
+        known = self.model.state_dict()
+        missing = sorted(set(params) - set(state))
+        unknown = sorted(set(state) - set(known))
+        if missing or unknown:
+            raise WeightUpdateError(
+                f"the new weights do not fit the model: missing {missing[:5]}, "
+                f"unexpected {unknown[:5]}"
+            )
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(known[name].shape):
+                raise WeightUpdateError(
+                    f"{name} has shape {tuple(tensor.shape)}, the model's is "
+                    f"{tuple(known[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in state.items():
+                known[name].copy_(tensor)
+        return version
+
+    def _shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+            seqs = [*self._running, *self._waiting, *self._live.values()]
+            updates, self._updates = self._updates, []
+            failure = self._failure
+        out = _Outbox()
+        for seq in {id(s): s for s in seqs}.values():
+            if seq.done:
+                continue
+            seq.done = True
+            if failure is not None:
+                out.put(seq, EngineUnavailableError(f"the local engine failed: {failure!r}"))
+            else:
+                out.put(seq, TokenChunk((), (), (), FinishReason.ABORT))
+        for upd in updates:
+            upd.future.set_exception(EngineUnavailableError("the local engine closed"))
+        self._running, self._waiting = [], []
+        with self._cv:
+            self._live.clear()
+        out.flush()
+
+
+class _Outbox:
+    """Collects one step's output and hands it to each consumer loop in one callback."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Seq, _Item]]] = defaultdict(list)
+
+    def put(self, seq: _Seq, item: _Item) -> None:
+        self._by_loop[seq.loop].append((seq, item))
+
+    def flush(self) -> None:
+        for loop, items in self._by_loop.items():
+            # A closed loop raises RuntimeError: its consumer is gone and nobody is listening.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_deliver, items)
+        self._by_loop.clear()
+
+
+def _deliver(items: list[tuple[_Seq, _Item]]) -> None:
+    for seq, item in items:
+        seq.queue.put_nowait(item)
+
+
+def _read_dir(path: Path | None) -> Mapping[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    assert path is not None
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(f"no *.safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state

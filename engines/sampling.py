@@ -1,0 +1,57 @@
+"""Sampling as pure functions over a batch of logits.
+
+Shapes: B = sequences in the decode batch, V = vocabulary. The behaviour logprob reported for a
+sampled token is `log_softmax(logits / temperature)` (temperature 1 for greedy rows), taken before
+top-k/top-p truncation and min-token masking: the distribution the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def behaviour_logprobs(logits_BV: torch.Tensor, temperature_B: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits / T)` in float32 per row; rows with T == 0 (greedy) use T = 1."""
+    t_B = torch.where(temperature_B > 0, temperature_B, torch.ones_like(temperature_B))
+    return torch.log_softmax(logits_BV.float() / t_B[:, None], dim=-1)
+
+
+def truncate(logp_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logprob outside each row's top-k (0 = all) and top-p nucleus.
+
+    The nucleus is the smallest set of most likely tokens whose probability reaches top_p; the most
+    likely token is always kept.
+    """
+    vocab = logp_BV.shape[-1]
+    sorted_BV, order_BV = torch.sort(logp_BV, dim=-1, descending=True)
+    rank_V = torch.arange(vocab, device=logp_BV.device)
+    k_B = torch.where(top_k_B > 0, top_k_B, torch.full_like(top_k_B, vocab))
+    probs_BV = sorted_BV.exp()
+    mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV
+    # rows with top_p == 1 keep everything: the cumulative sum may round past 1 before the tail
+    nucleus_B = top_p_B < 1.0
+    drop_BV = (rank_V[None, :] >= k_B[:, None]) | (
+        (mass_before_BV >= top_p_B[:, None]) & nucleus_B[:, None]
+    )
+    drop_BV[:, 0] = False
+    sorted_BV = sorted_BV.masked_fill(drop_BV, float("-inf"))
+    return torch.empty_like(logp_BV).scatter_(-1, order_BV, sorted_BV)
+
+
+def sample(
+    logp_BV: torch.Tensor,
+    *,
+    greedy_B: list[bool],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """One token per row: argmax for greedy rows, else a draw from `softmax(logp)` with the row's
+    own generator (so a seeded request samples the same tokens whatever batch it shares)."""
+    out_B = logp_BV.argmax(dim=-1)
+    probs_BV = None
+    for b, (greedy, gen) in enumerate(zip(greedy_B, generators, strict=True)):
+        if greedy:
+            continue
+        if probs_BV is None:
+            probs_BV = logp_BV.exp()
+        out_B[b] = torch.multinomial(probs_BV[b], 1, generator=gen)[0]
+    return out_B

@@ -1,0 +1,179 @@
+"""A Llama-family Hugging Face causal LM run with a slot-based KV cache.
+
+The local engine owns attention and the KV cache (as every serving engine does) and borrows
+everything else from the transformers model: embeddings, projections, norms, rotary embedding, MLP
+and LM head, so weights stay in the HF module tree and a weight update is a `copy_` into it.
+
+Each live sequence owns one slot `s` of per-layer buffers `k[s, :, :len_s]`, `v[s, :, :len_s]`.
+Live sequences occupy slots 0..B-1 (the engine keeps them compact), so a decode step over B
+sequences reads the buffers' first B rows without gathering.
+
+Shapes: B = batch of sequences, T = new tokens, L = cached length, H = query heads,
+K = key/value heads, D = head dim, E = hidden size, V = vocabulary.
+
+Supported: model types whose decoder layer is `input_layernorm -> self_attn(q/k/v/o_proj,
+optional q_norm/k_norm) -> post_attention_layernorm -> mlp` with full (not sliding) attention:
+qwen2, qwen3, llama, mistral. The parity tests hold this forward against the model's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+KVWriter = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""Writes one layer's new keys/values [B, K, T, D] to the cache; returns all cached [B, K, L, D]."""
+
+SUPPORTED_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTD[:, None], sin_BTD[:, None]
+    return x_BHTD * cos + _rotate_half(x_BHTD) * sin
+
+
+class SlotModel:
+    """Prefill and batched decode of a HF causal LM over slot-owned KV buffers."""
+
+    def __init__(self, model: Any, *, max_slots: int, max_model_len: int) -> None:
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"the local engine runs {sorted(SUPPORTED_MODEL_TYPES)} models, not "
+                f"{cfg.model_type!r}: serve this model with --engine vllm or --engine sglang"
+            )
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError("the local engine does not implement sliding-window attention")
+        self.model = model
+        self.inner = model.model
+        self.num_kv_heads: int = cfg.num_key_value_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // (
+            cfg.num_attention_heads
+        )
+        self.vocab_size: int = cfg.vocab_size
+        self.max_slots = max_slots
+        self.max_model_len = max_model_len
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._ensure_capacity(min(256, max_model_len))
+
+    # -- buffers -----------------------------------------------------------------------------
+
+    def _ensure_capacity(self, length: int) -> None:
+        """Grow every buffer (by doubling) so that a slot can hold `length` positions."""
+        if length <= self.capacity:
+            return
+        cap = max(self.capacity, 1)
+        while cap < length:
+            cap *= 2
+        cap = min(cap, self.max_model_len)
+        assert cap >= length, f"length {length} exceeds max_model_len {self.max_model_len}"
+        shape = (self.max_slots, self.num_kv_heads, cap, self.head_dim)
+        layers = len(self.inner.layers)
+        new_k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(layers)]
+        new_v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(layers)]
+        for old, new in zip(self.k + self.v, new_k + new_v, strict=False):
+            new[:, :, : self.capacity].copy_(old)
+        self.k, self.v, self.capacity = new_k, new_v, cap
+
+    @torch.inference_mode()
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` cached positions of slot `src` into slot `dst`."""
+        for buf in self.k + self.v:
+            buf[dst, :, :length].copy_(buf[src, :, :length])
+
+    def kv_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.k + self.v)
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def _layer(
+        self,
+        layer: Any,
+        x_BTE: torch.Tensor,
+        cos_BTD: torch.Tensor,
+        sin_BTD: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVWriter,
+    ) -> torch.Tensor:
+        attn = layer.self_attn
+        B, T, _ = x_BTE.shape
+        h = layer.input_layernorm(x_BTE)
+        q = attn.q_proj(h).view(B, T, -1, self.head_dim)
+        k = attn.k_proj(h).view(B, T, -1, self.head_dim)
+        v = attn.v_proj(h).view(B, T, -1, self.head_dim)
+        if getattr(attn, "q_norm", None) is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q_BHTD = _rope(q.transpose(1, 2), cos_BTD, sin_BTD)
+        keys_BKLD, values_BKLD = cache(
+            _rope(k.transpose(1, 2), cos_BTD, sin_BTD), v.transpose(1, 2)
+        )
+        out_BHTD = F.scaled_dot_product_attention(
+            q_BHTD, keys_BKLD, values_BKLD, attn_mask=mask, scale=attn.scaling, enable_gqa=True
+        )
+        x_BTE = x_BTE + attn.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1))
+        mlp_BTE: torch.Tensor = layer.mlp(layer.post_attention_layernorm(x_BTE))
+        return x_BTE + mlp_BTE
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: list[int], start: int = 0) -> torch.Tensor:
+        """Run `token_ids` at positions start.. of `slot`, whose first `start` positions are
+        already cached; cache their keys/values and return the last position's logits [V]."""
+        assert token_ids, "prefill needs at least one token"
+        end = start + len(token_ids)
+        self._ensure_capacity(end)
+        dev = self.device
+        x = self.inner.embed_tokens(torch.tensor([token_ids], device=dev))
+        cos, sin = self.inner.rotary_emb(x, torch.arange(start, end, device=dev)[None])
+        q_pos_T = torch.arange(start, end, device=dev)
+        mask_TL = torch.arange(end, device=dev)[None, :] <= q_pos_T[:, None]
+        for li, layer in enumerate(self.inner.layers):
+            kb, vb = self.k[li], self.v[li]
+
+            def cache(
+                k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor = kb, vb: torch.Tensor = vb
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+                kb[slot, :, start:end] = k[0]
+                vb[slot, :, start:end] = v[0]
+                return kb[slot : slot + 1, :, :end], vb[slot : slot + 1, :, :end]
+
+            x = self._layer(layer, x, cos, sin, mask_TL, cache)
+        logits_V: torch.Tensor = self.model.lm_head(self.inner.norm(x[:, -1]))[0].float()
+        return logits_V
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step for the sequences in slots 0..B-1: feed token_ids[b] at positions[b]
+        of slot b, cache its keys/values, and return logits [B, V]."""
+        B, L = len(token_ids), max(positions) + 1
+        self._ensure_capacity(L)
+        dev = self.device
+        pos_B = torch.tensor(positions, device=dev)
+        rows_B = torch.arange(B, device=dev)
+        x = self.inner.embed_tokens(torch.tensor(token_ids, device=dev)[:, None])
+        cos, sin = self.inner.rotary_emb(x, pos_B[:, None])
+        mask_B11L = (torch.arange(L, device=dev)[None, :] <= pos_B[:, None])[:, None, None]
+        for li, layer in enumerate(self.inner.layers):
+            kb, vb = self.k[li], self.v[li]
+
+            def cache(
+                k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor = kb, vb: torch.Tensor = vb
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+                kb[rows_B, :, pos_B] = k[:, :, 0]
+                vb[rows_B, :, pos_B] = v[:, :, 0]
+                return kb[:B, :, :L], vb[:B, :, :L]
+
+            x = self._layer(layer, x, cos, sin, mask_B11L, cache)
+        logits_BV: torch.Tensor = self.model.lm_head(self.inner.norm(x[:, 0])).float()
+        return logits_BV

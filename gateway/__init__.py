@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway: routes, sessions, rewards, admin API and the `rlgateway` CLI."""

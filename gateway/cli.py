@@ -1,0 +1,110 @@
+"""The `rlgateway` command: a thin entry point.
+
+Arguments are parsed and checked here; torch and transformers are imported only inside the
+subcommand that needs them, so `rlgateway --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+class CLIError(Exception):
+    """A user mistake on the command line; the message says what to do. Exit status 2."""
+
+
+def _add_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    model = sub.add_parser("model", help="build models for tests and the demo")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="COMMAND")
+    tiny = model_sub.add_parser(
+        "tiny",
+        help="build the tiny Qwen2 model (deterministic from --seed, no network)",
+        description="Build the tiny Qwen2 model into DIR: a Hugging Face model directory with a "
+        "byte-level tokenizer, a ChatML chat template with tool calls, and random weights drawn "
+        "from --seed. The same seed gives identical files.",
+    )
+    tiny.add_argument("dir", help="output directory (must not exist, or be empty)")
+    tiny.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    tiny.add_argument(
+        "--size", default="test", help="test (~0.2M params, default) or demo (a few million)"
+    )
+    tiny.add_argument(
+        "--max-model-len", type=int, default=2048, help="context length (default 2048)"
+    )
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    gen = sub.add_parser(
+        "generate",
+        help="sample from the local engine",
+        description="Sample from a model with the embedded local engine and print the text. "
+        "Without --model it uses the tiny model (built on first use). Give a raw --prompt, a "
+        "--chat user message, or --messages as a JSON list of OpenAI chat messages.",
+    )
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="raw text prompt, encoded without a chat template")
+    src.add_argument("--chat", help="a user message, rendered with the model's chat template")
+    src.add_argument("--messages", help="a JSON list of chat messages, or @FILE holding one")
+    gen.add_argument("--model", help="a Hugging Face model directory (default: the tiny model)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1.0: off)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (default 0: off)")
+    gen.add_argument("--seed", type=int, help="per-request seed (default: random)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
+    gen.add_argument("--min-tokens", type=int, default=0, help="no stop before this many")
+    gen.add_argument(
+        "--stop-token-ids", type=int, nargs="*", default=[], help="extra ids that end generation"
+    )
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos")
+    gen.add_argument("-n", type=int, default=1, help="samples to draw, in one batch (default 1)")
+    gen.add_argument(
+        "--show-tokens", action="store_true", help="also print token ids, logprobs and versions"
+    )
+    gen.add_argument("--json", action="store_true", help="print one JSON object per sample")
+    gen.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlgateway",
+        description="An OpenAI-compatible gateway for agentic RL: serve, record, reward, train.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_model_parser(sub)
+    _add_generate_parser(sub)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlgateway")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "model":
+            from gateway.commands.model import run_model
+
+            return run_model(args)
+        if args.command == "generate":
+            from gateway.commands.generate import run_generate
+
+            return run_generate(args)
+    except CLIError as exc:
+        print(f"rlgateway: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    raise AssertionError(f"unhandled command {args.command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `rlgateway` subcommand; each imports its heavy dependencies itself."""

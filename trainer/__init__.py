@@ -1,0 +1,1 @@
+"""The background trainer: PPO-family algorithms, training backends and the asynchronous loop."""
