@@ -136,6 +136,9 @@ class LocalEngine:
     @classmethod
     def load(cls, config: LocalEngineConfig) -> LocalEngine:
         from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype_name = config.dtype

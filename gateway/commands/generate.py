@@ -57,6 +57,8 @@ def _messages(args: argparse.Namespace) -> list[dict[str, Any]] | None:
 def run_generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     messages = _messages(args)
+    if messages is None and not args.prompt:
+        raise CLIError("give a prompt: --prompt TEXT, --chat MESSAGE or --messages JSON")
     if args.n < 1:
         raise CLIError(f"-n must be >= 1, got {args.n}")
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
@@ -71,9 +73,10 @@ def run_generate(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else tiny_model_dir()
     tokenizer = load_tokenizer(model_dir)
     if messages is not None:
-        prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     else:
-        prompt_ids = list(tokenizer.encode(args.prompt or "", add_special_tokens=False))
+        text = args.prompt
+    prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
     engine = LocalEngine.load(LocalEngineConfig(model=str(model_dir), device=args.device))
     stream_text = args.n == 1 and not args.json and not args.show_tokens
     try:
