@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     import torch
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 class FinishReason(enum.StrEnum):
     STOP = "stop"
     """An end-of-sequence or stop token was sampled (it is the last token of the output)."""
@@ -58,6 +61,8 @@ class SamplingParams:
     """Extra token ids that end generation (the model's eos ids always do, unless ignore_eos)."""
     ignore_eos: bool = False
     """Do not stop on the model's eos ids (stop_token_ids still stop)."""
+    top_logprobs: int = 0
+    """Also return the k most likely tokens and their behaviour logprobs at each step (0-20)."""
 
     def validate(self) -> None:
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
@@ -77,6 +82,10 @@ class SamplingParams:
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidSamplingError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidSamplingError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
         if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
             raise InvalidSamplingError(f"seed must fit in 64 bits, got {self.seed}")
 
@@ -104,13 +113,16 @@ class TokenChunk:
     """A streamed piece of output: the tokens sampled since the previous chunk.
 
     Invariant: `token_ids`, `logprobs` and `versions` have one length (possibly 0 on the final
-    chunk). `finish_reason` is set on the last chunk of a request and only there.
+    chunk); `top_logprobs` has that length too when the request asked for top logprobs, else it is
+    empty. `finish_reason` is set on the last chunk of a request and only there.
     """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     versions: tuple[int, ...]
     finish_reason: FinishReason | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    """Per token, the (token id, logprob) pairs of the k most likely tokens, most likely first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +135,7 @@ class GenerateResult:
     logprobs: tuple[float, ...]
     versions: tuple[int, ...]
     finish_reason: FinishReason
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,11 +208,13 @@ async def collect(engine: Engine, request: GenerateRequest) -> GenerateResult:
     token_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
+    tops: list[tuple[tuple[int, float], ...]] = []
     finish: FinishReason | None = None
     async for chunk in engine.generate(request):
         token_ids += chunk.token_ids
         logprobs += chunk.logprobs
         versions += chunk.versions
+        tops += chunk.top_logprobs
         finish = chunk.finish_reason or finish
     assert finish is not None, "an engine stream ended without a finish reason"
     return GenerateResult(
@@ -209,4 +224,5 @@ async def collect(engine: Engine, request: GenerateRequest) -> GenerateResult:
         logprobs=tuple(logprobs),
         versions=tuple(versions),
         finish_reason=finish,
+        top_logprobs=tuple(tops),
     )

@@ -365,15 +365,25 @@ class LocalEngine:
             generators=[s.generator for s in batch],
         )
         chosen_B = logp_BV.gather(-1, tokens_B[:, None])[:, 0]
+        k = max(sp.top_logprobs for sp in sps)
+        tops: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if k:
+            values_BK, ids_BK = logp_BV.topk(k, dim=-1)
+            tops, top_ids = values_BK.tolist(), ids_BK.tolist()
         version = self._version
-        for seq, tok, lp in zip(batch, tokens_B.tolist(), chosen_B.tolist(), strict=True):
+        for b, (seq, tok, lp) in enumerate(
+            zip(batch, tokens_B.tolist(), chosen_B.tolist(), strict=True)
+        ):
             seq.tokens.append(tok)
             finish = None
             if tok in seq.stops:
                 finish = FinishReason.STOP
             elif seq.num_new >= seq.max_new:
                 finish = FinishReason.LENGTH
-            out.put(seq, TokenChunk((tok,), (lp,), (version,), finish))
+            n_top = sps[b].top_logprobs
+            top = (tuple(zip(top_ids[b][:n_top], tops[b][:n_top], strict=True)),) if n_top else ()
+            out.put(seq, TokenChunk((tok,), (lp,), (version,), finish, top))
             if finish is not None:
                 self._finish(seq, finish, out, announce=False)
 

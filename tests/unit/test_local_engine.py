@@ -162,6 +162,25 @@ async def test_max_tokens_stop_ids_and_min_tokens(shared_engine: LocalEngine) ->
     assert full.finish_reason is FinishReason.LENGTH
 
 
+async def test_top_logprobs_are_the_k_most_likely_under_the_same_distribution(
+    shared_engine: LocalEngine, reference: Any
+) -> None:
+    res = await collect(
+        shared_engine, req(PROMPTS[1], temperature=0.8, seed=2, max_new_tokens=10, top_logprobs=5)
+    )
+    assert len(res.top_logprobs) == len(res.token_ids) == 10
+    ids = torch.tensor([list(res.prompt_ids) + list(res.token_ids)])
+    with torch.no_grad():
+        logp = torch.log_softmax(reference(ids).logits[0].double() / 0.8, dim=-1)
+    start = len(res.prompt_ids) - 1
+    for i, top in enumerate(res.top_logprobs):
+        ref_vals, ref_ids = logp[start + i].topk(5)
+        assert [t for t, _ in top] == ref_ids.tolist()
+        assert max(abs(a - b) for (_, a), b in zip(top, ref_vals.tolist(), strict=True)) <= 1e-4
+    plain = await collect(shared_engine, req(PROMPTS[1], max_new_tokens=3))
+    assert plain.top_logprobs == ()
+
+
 def test_the_models_eos_ids_stop_generation(shared_engine: LocalEngine, tiny_model: Path) -> None:
     from engines.tiny_model import load_tokenizer
 
