@@ -66,6 +66,40 @@ def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     gen.add_argument("--device", help="cpu or cuda (default: cuda when present)")
 
 
+def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="run the gateway (OpenAI API, sessions, rewards)",
+        description="Run the gateway on the embedded local engine. Every flag can also come from "
+        "an environment variable RLGATEWAY_<NAME> (e.g. RLGATEWAY_DATABASE_URL); flags win.",
+    )
+    serve.add_argument("--host", help="interface to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--database-url", help="sqlite:///PATH (default) or postgresql://...")
+    serve.add_argument("--admin-token", help="admin bearer token (default: made up and printed)")
+    serve.add_argument("--model", help="a Hugging Face model directory (default: the tiny model)")
+    serve.add_argument("--served-model-name", help="the name /v1/models reports")
+    serve.add_argument("--public-url", help="how agents reach this gateway (for session base_urls)")
+    serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    serve.add_argument("--max-batch", type=int, help="sequences decoded together (default 64)")
+    serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+
+
+def _add_db_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    db = sub.add_parser("db", help="create or upgrade the trajectory store's schema")
+    db_sub = db.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
+    for name, text in (
+        ("upgrade", "apply every migration (alembic upgrade head)"),
+        ("current", "print the schema revision of the database"),
+    ):
+        cmd = db_sub.add_parser(name, help=text)
+        cmd.add_argument(
+            "--database-url",
+            help="sqlite:///PATH or postgresql://... (default: RLGATEWAY_DATABASE_URL, "
+            "else sqlite:///rlgateway.db)",
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlgateway",
@@ -75,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_model_parser(sub)
     _add_generate_parser(sub)
+    _add_serve_parser(sub)
+    _add_db_parser(sub)
     return parser
 
 
@@ -98,6 +134,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gateway.commands.generate import run_generate
 
             return run_generate(args)
+        if args.command == "serve":
+            from gateway.commands.serve import run_serve
+
+            return run_serve(args)
+        if args.command == "db":
+            from gateway.commands.db import run_db
+
+            return run_db(args)
     except CLIError as exc:
         print(f"rlgateway: error: {exc}", file=sys.stderr)
         return 2

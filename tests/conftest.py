@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.store_fixtures"]
+
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:

@@ -1,0 +1,161 @@
+"""Completions/s the trajectory store commits, on SQLite and PostgreSQL, 1 and 16 writers.
+
+Each writer plays agent sessions of `--turns` turns: every turn is one `record_completions` call
+(its own transaction, as the gateway makes it) holding a ~200-token prompt delta and 512 sampled
+tokens with their logprobs and versions. Writers run as concurrent asyncio tasks on one `Store`,
+as the gateway's request handlers do. SQLite is a fresh file in a temp dir; PostgreSQL a fresh
+database on the server at --postgres-url, dropped afterwards. Run from the repository root:
+
+    .venv/bin/python bench/bench_store.py --concurrency 1 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import os
+import platform
+import random
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+from sqlalchemy.engine import make_url
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from store import Store  # noqa: E402
+from store.types import CompletionRecord  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--completions", type=int, default=480, help="per measurement (default 480)")
+    p.add_argument("--turns", type=int, default=8, help="turns per session (default 8)")
+    p.add_argument("--output-tokens", type=int, default=512)
+    p.add_argument("--delta-tokens", type=int, default=200, help="prompt delta per turn")
+    p.add_argument("--backends", nargs="+", default=["sqlite", "postgres"])
+    p.add_argument(
+        "--postgres-url",
+        default=os.environ.get(
+            "RLGATEWAY_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+        ),
+        help="a server where this user may CREATE DATABASE",
+    )
+    return p.parse_args(argv)
+
+
+@contextlib.asynccontextmanager
+async def database(backend: str, postgres_url: str) -> AsyncIterator[str]:
+    if backend == "sqlite":
+        with tempfile.TemporaryDirectory() as tmp:
+            yield f"sqlite:///{tmp}/bench.db"
+        return
+    server = make_url(postgres_url).set(drivername="postgresql")
+    name = f"rlg_bench_{secrets.token_hex(4)}"
+    admin = await asyncpg.connect(server.render_as_string(hide_password=False))
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        yield server.set(database=name).render_as_string(hide_password=False)
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+async def writer(
+    store: Store, run_id: str, count: int, args: argparse.Namespace, latencies: list[float]
+) -> None:
+    rng = random.Random(count)
+    n_out, n_delta = args.output_tokens, args.delta_tokens
+    done = 0
+    while done < count:
+        (new,) = await store.create_sessions(run_id, 1)
+        sid, tokens = new.info.id, list[int]()
+        for turn in range(min(args.turns, count - done)):
+            delta = [rng.randrange(50_000) for _ in range(n_delta)]
+            output = [rng.randrange(50_000) for _ in range(n_out)]
+            record = CompletionRecord(
+                id=f"chatcmpl-{secrets.token_hex(12)}",
+                session_id=sid,
+                segment_id=f"seg-{sid}",
+                segment_index=0,
+                opens_segment=turn == 0,
+                prefix_break=False,
+                transcript={"messages": [{"role": "user", "content": "x" * 200}] * (turn + 1)},
+                prefix_len=len(tokens),
+                prompt_ids=tokens + delta,
+                output_ids=output,
+                logprobs=[-rng.random() for _ in range(n_out)],
+                versions=[3] * n_out,
+                finish_reason="length",
+            )
+            t0 = time.perf_counter()
+            await store.record_completions([record])
+            latencies.append(time.perf_counter() - t0)
+            tokens = tokens + delta + output
+            done += 1
+        await store.end_session(sid)
+
+
+async def measure(
+    url: str, concurrency: int, args: argparse.Namespace
+) -> tuple[float, list[float]]:
+    store = await Store.connect(url)
+    try:
+        run = await store.create_run("bench", {})
+        await writer(store, run.id, 2 * concurrency, args, [])  # warm-up: pool, caches
+        per = args.completions // concurrency
+        latencies: list[float] = []
+        t0 = time.perf_counter()
+        await asyncio.gather(
+            *(writer(store, run.id, per, args, latencies) for _ in range(concurrency))
+        )
+        elapsed = time.perf_counter() - t0
+    finally:
+        await store.close()
+    return per * concurrency / elapsed, latencies
+
+
+async def amain(args: argparse.Namespace) -> None:
+    print("| backend | writers | completions/s | p50 ms | p95 ms |")
+    print("|---|---:|---:|---:|---:|")
+    for backend in args.backends:
+        for c in args.concurrency:
+            async with database(backend, args.postgres_url) as url:
+                rate, lat = await measure(url, c, args)
+            lat_ms = sorted(1000 * x for x in lat)
+            p50 = statistics.median(lat_ms)
+            p95 = lat_ms[int(0.95 * (len(lat_ms) - 1))]
+            print(f"| {backend} | {c} | {rate:,.0f} | {p50:.1f} | {p95:.1f} |", flush=True)
+    print()
+    print(
+        f"Each completion: one transaction with a {args.delta_tokens}-token prompt delta and "
+        f"{args.output_tokens} output tokens (ids, logprobs, versions: "
+        f"{4 * (args.delta_tokens + 3 * args.output_tokens):,} bytes of arrays), "
+        f"{args.turns} turns per session, {args.completions} completions per row."
+    )
+    print(
+        f"machine: {_cpu_model()}, {len(os.sched_getaffinity(0))} usable cores; python "
+        f"{platform.python_version()}; {datetime.date.today().isoformat()}"
+    )
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    asyncio.run(amain(parse_args()))

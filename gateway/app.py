@@ -1,0 +1,194 @@
+"""The FastAPI application: wiring only. Routes live in `gateway/routes/`, one module per resource.
+
+`create_app(settings)` builds the engine, store and tokenizer in its lifespan (what `rlgateway
+serve` does); tests and embedders pass ready-made components with `create_app(settings,
+components=...)` and keep ownership of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engines.base import Engine
+from gateway.chat import ChatService
+from gateway.chat_render import ChatRenderer
+from gateway.completions import CompletionService
+from gateway.errors import PayloadTooLarge, error_body, install_error_handlers
+from gateway.recorder import Recorder
+from gateway.segments import SegmentTracker
+from gateway.settings import GatewaySettings
+from store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Components:
+    """What the gateway runs on. `eos_token_ids` are the model's end-of-turn ids."""
+
+    engine: Engine
+    store: Store
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    model_name: str
+
+
+@dataclass(slots=True)
+class Gateway:
+    settings: GatewaySettings
+    components: Components
+    renderer: ChatRenderer
+    recorder: Recorder
+    chat: ChatService
+    completions: CompletionService
+
+    @property
+    def store(self) -> Store:
+        return self.components.store
+
+    @property
+    def engine(self) -> Engine:
+        return self.components.engine
+
+
+def build_gateway(settings: GatewaySettings, c: Components) -> Gateway:
+    renderer = ChatRenderer(c.tokenizer, c.eos_token_ids)
+    recorder = Recorder(c.store, SegmentTracker(c.store))
+    return Gateway(
+        settings=settings,
+        components=c,
+        renderer=renderer,
+        recorder=recorder,
+        chat=ChatService(c.engine, renderer, recorder, c.model_name),
+        completions=CompletionService(c.engine, renderer, recorder, c.model_name),
+    )
+
+
+async def load_components(settings: GatewaySettings) -> Components:
+    """The local engine on the configured model (the tiny model by default) and the store."""
+    import asyncio
+
+    from engines.local import LocalEngine, LocalEngineConfig
+    from engines.tiny_model import load_tokenizer, tiny_model_dir
+
+    model_dir = Path(settings.model) if settings.model else tiny_model_dir()
+    config = LocalEngineConfig(
+        model=str(model_dir),
+        device=settings.device,
+        max_batch=settings.max_batch,
+        max_model_len=settings.max_model_len,
+    )
+    engine = await asyncio.to_thread(LocalEngine.load, config)
+    store = await Store.connect(settings.database_url)
+    return Components(
+        engine=engine,
+        store=store,
+        tokenizer=load_tokenizer(model_dir),
+        eos_token_ids=engine.eos_token_ids,
+        model_name=settings.served_model_name or model_dir.name,
+    )
+
+
+class BodyLimit:
+    """413 for request bodies over `limit` bytes, declared or streamed, before a route sees them."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._reject(send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise PayloadTooLarge(self._message())
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return (
+            f"request body is larger than {self.limit} bytes: send less (or raise max_body_bytes)"
+        )
+
+    async def _reject(self, send: Send) -> None:
+        import json
+
+        body = json.dumps(
+            error_body(self._message(), "invalid_request_error", None, "payload_too_large")
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def create_app(settings: GatewaySettings, components: Components | None = None) -> FastAPI:
+    from gateway.routes import openai, runs, sessions
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = components is None
+        c = components if components is not None else await load_components(settings)
+        app.state.gateway = build_gateway(settings, c)
+        try:
+            yield
+        finally:
+            if owned:
+                await c.engine.close()
+                await c.store.close()
+
+    app = FastAPI(
+        title="rlgateway",
+        summary="OpenAI-compatible gateway that records every token for RL",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    app.include_router(openai.router)
+    app.include_router(runs.router)
+    app.include_router(sessions.router)
+
+    @app.get("/health", include_in_schema=False)
+    async def health(gw: GatewayDep) -> dict[str, Any]:
+        h = await gw.engine.health()
+        return {
+            "ok": h.ok,
+            "version": h.version,
+            "paused": h.paused,
+            "running": h.running,
+            "waiting": h.waiting,
+        }
+
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    return app
+
+
+def get_gateway(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+GatewayDep = Annotated[Gateway, Depends(get_gateway)]

@@ -1,0 +1,407 @@
+"""`/v1/chat/completions`: render, plan the segment, generate n choices, parse tool calls, commit,
+respond (JSON or server-sent events).
+
+The response is sent only after its completions are committed; a stream's final chunks (finish
+reasons, usage) likewise wait for the commit, and a stream whose client goes away is committed with
+what was generated, marked aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engines.base import Engine, GenerateRequest, SamplingParams
+from gateway.chat_render import (
+    TOOL_CALL_OPEN,
+    ChatRenderer,
+    ParsedToolCall,
+    normalize_messages,
+    normalize_tools,
+    parse_tool_calls,
+    tool_call_json,
+)
+from gateway.choices import ChoiceRun, chat_logprobs
+from gateway.detok import IncrementalDecoder
+from gateway.errors import BadRequest
+from gateway.openai_types import ChatCompletionRequest, NamedToolChoice
+from gateway.recorder import ChoiceOutcome, Plan, Recorder
+from gateway.segments import LiveSegment, chat_transcript, extends
+from store.types import TurnStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ChatInputs:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    parse_tools: bool
+    prefill: str
+    """Text forced at the start of the reply (tool_choice required/named); part of the prompt."""
+
+
+def chat_inputs(body: ChatCompletionRequest) -> ChatInputs:
+    tools = normalize_tools(body.tools)
+    choice = body.tool_choice or ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise BadRequest(
+            "tool_choice needs tools: pass the tools to choose from", param="tool_choice"
+        )
+    prefill = ""
+    if choice == "required":
+        prefill = f"{TOOL_CALL_OPEN}\n"
+    elif isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in {t["function"]["name"] for t in tools}:
+            raise BadRequest(
+                f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+            )
+        prefill = f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
+    return ChatInputs(normalize_messages(body.messages), tools, choice != "none", prefill)
+
+
+def sampling_params(body: Any, max_new: int | None, top_logprobs: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),
+        seed=body.seed,
+        max_new_tokens=max_new,
+        min_new_tokens=body.min_tokens,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        top_logprobs=top_logprobs,
+    )
+
+
+def choice_requests(sp: SamplingParams, prompt: list[int], n: int) -> list[GenerateRequest]:
+    """n engine requests; with a seed, choice i uses seed + i so choices differ but reproduce."""
+    out = []
+    for i in range(n):
+        seed = None if sp.seed is None else sp.seed + i
+        params = SamplingParams(
+            **{**{f: getattr(sp, f) for f in sp.__dataclass_fields__}, "seed": seed}
+        )
+        out.append(GenerateRequest(prompt_ids=tuple(prompt), sampling=params))
+    return out
+
+
+class ChatService:
+    def __init__(
+        self, engine: Engine, renderer: ChatRenderer, recorder: Recorder | None, model_name: str
+    ) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.recorder = recorder
+        self.model_name = model_name
+
+    # -- planning ----------------------------------------------------------------------------
+
+    async def _prompt(
+        self, inputs: ChatInputs, session_id: str | None, n: int
+    ) -> tuple[list[int], Plan | None]:
+        r = self.renderer
+
+        def fresh() -> list[int]:
+            return r.prompt(inputs.messages, inputs.tools, inputs.prefill)
+
+        if session_id is None or self.recorder is None:
+            return fresh(), None
+
+        def choose(segments: list[LiveSegment]) -> tuple[LiveSegment | None, list[int] | None]:
+            for seg in reversed(segments):
+                if extends(seg.transcript, inputs.messages, inputs.tools):
+                    assert seg.transcript is not None
+                    prompt = r.continuation(
+                        seg.tokens,
+                        seg.transcript["messages"],
+                        inputs.messages,
+                        inputs.tools,
+                        inputs.prefill,
+                    )
+                    return seg, prompt
+            return None, None
+
+        plan = await self.recorder.plan(session_id, n, choose, fresh)
+        return plan.prompt_ids, plan
+
+    # -- the request -------------------------------------------------------------------------
+
+    async def create(
+        self, body: ChatCompletionRequest, session_id: str | None
+    ) -> dict[str, Any] | AsyncIterator[str]:
+        inputs = chat_inputs(body)
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        sp = sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
+        prompt, plan = await self._prompt(inputs, session_id, body.n)
+        try:
+            runs = [
+                ChoiceRun(
+                    index=i,
+                    request=req,
+                    stream=self.engine.generate(req),  # validates: raises before any token
+                    decoder=IncrementalDecoder(
+                        self.renderer.tokenizer,
+                        body.stop_strings(),
+                        holdback=[TOOL_CALL_OPEN] if inputs.parse_tools else [],
+                    ),
+                )
+                for i, req in enumerate(choice_requests(sp, prompt, body.n))
+            ]
+        except BaseException:
+            if plan is not None and self.recorder is not None:
+                self.recorder.release(plan)
+            raise
+        turn = _Turn(self, body, inputs, prompt, plan, runs, sp)
+        if body.stream:
+            return turn.stream()
+        return await turn.complete()
+
+
+class _Turn:
+    """One chat request in flight."""
+
+    def __init__(
+        self,
+        service: ChatService,
+        body: ChatCompletionRequest,
+        inputs: ChatInputs,
+        prompt: list[int],
+        plan: Plan | None,
+        runs: list[ChoiceRun],
+        sampling: SamplingParams,
+    ) -> None:
+        self.s = service
+        self.body = body
+        self.inputs = inputs
+        self.prompt = prompt
+        self.plan = plan
+        self.runs = runs
+        self.sampling = sampling
+        self.id = f"chatcmpl-{uuid.uuid4().hex[:29]}"
+        self.created = int(time.time())
+        self.committed = False
+
+    def completion_id(self, i: int) -> str:
+        return self.id if len(self.runs) == 1 else f"{self.id}-{i}"
+
+    def _message(self, run: ChoiceRun) -> tuple[dict[str, Any], str]:
+        text = self.inputs.prefill + run.decoder.text
+        finish = run.finish_reason or "abort"
+        calls: list[ParsedToolCall] = []
+        content: str | None = text
+        if self.inputs.parse_tools:
+            content, calls = parse_tool_calls(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = tool_call_json(calls, f"{self.id[-8:]}{run.index}")
+            if finish == "stop":
+                finish = "tool_calls"
+        return message, finish
+
+    def _choice_json(self, run: ChoiceRun) -> dict[str, Any]:
+        message, finish = self._message(run)
+        logprobs = None
+        if self.body.logprobs:
+            tok = self.s.renderer.tokenizer
+            logprobs = {"content": chat_logprobs(tok, run.ids, run.logprobs, run.top_logprobs)}
+        return {
+            "index": run.index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "completion_id": self.completion_id(run.index),
+        }
+
+    def _usage(self) -> dict[str, int]:
+        completion = sum(len(r.ids) for r in self.runs)
+        prompt = len(self.prompt)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def _outcome(self, run: ChoiceRun, choice: dict[str, Any], aborted: bool) -> ChoiceOutcome:
+        message = choice["message"]
+        reply: dict[str, Any] = {"role": "assistant", "content": message["content"] or ""}
+        if message.get("tool_calls"):
+            reply["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
+                for c in message["tool_calls"]
+            ]
+        return ChoiceOutcome(
+            completion_id=self.completion_id(run.index),
+            transcript=chat_transcript([*self.inputs.messages, reply], self.inputs.tools),
+            output_ids=list(run.ids),
+            logprobs=list(run.logprobs),
+            versions=list(run.versions),
+            finish_reason=choice["finish_reason"],
+            status=TurnStatus.ABORTED if aborted else TurnStatus.OK,
+            response=choice,
+            latency_ms=run.latency_ms,
+            ttft_ms=run.ttft_ms,
+        )
+
+    async def _commit(self, choices: list[dict[str, Any]], aborted: bool) -> None:
+        if self.plan is None or self.s.recorder is None or self.committed:
+            return
+        self.committed = True
+        outcomes = [self._outcome(r, c, aborted) for r, c in zip(self.runs, choices, strict=True)]
+        sampling = {f: getattr(self.sampling, f) for f in self.sampling.__dataclass_fields__} | {
+            "stop": self.body.stop_strings(),
+            "n": self.body.n,
+        }
+        request = self.body.model_dump(mode="json", exclude_none=True)
+        await self.s.recorder.commit_shielded(self.plan, outcomes, sampling, request)
+
+    def _release(self) -> None:
+        if self.plan is not None and self.s.recorder is not None and not self.committed:
+            self.committed = True
+            self.s.recorder.release(self.plan)
+
+    async def complete(self) -> dict[str, Any]:
+        try:
+            await asyncio.gather(*(r.run() for r in self.runs))
+        except BaseException:
+            self._release()
+            raise
+        choices = [self._choice_json(r) for r in self.runs]
+        await self._commit(choices, aborted=False)
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.s.model_name,
+            "choices": choices,
+            "usage": self._usage(),
+            "system_fingerprint": None,
+        }
+
+    # -- streaming ---------------------------------------------------------------------------
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.s.model_name,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def stream(self) -> AsyncIterator[str]:
+        queue: asyncio.Queue[ChoiceRun | None] = asyncio.Queue()
+        sent_text = [0] * len(self.runs)
+        sent_tokens = [0] * len(self.runs)
+        tasks: list[asyncio.Task[None]] = []
+
+        async def drive(run: ChoiceRun) -> None:
+            try:
+                await run.run(on_progress=queue.put_nowait)
+            finally:
+                queue.put_nowait(None)
+
+        finished = False
+        try:
+            for run in self.runs:
+                yield self._chunk(
+                    [
+                        {
+                            "index": run.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            tasks = [asyncio.create_task(drive(r)) for r in self.runs]
+            remaining = len(self.runs)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                delta = self._delta(item, sent_text, sent_tokens)
+                if delta is not None:
+                    yield self._chunk([delta])
+            for t in tasks:
+                t.result()  # surface an engine failure
+            choices = [self._choice_json(r) for r in self.runs]
+            await self._commit(choices, aborted=False)
+            finished = True
+            for run, choice in zip(self.runs, choices, strict=True):
+                tail: dict[str, Any] = {}
+                if choice["message"].get("tool_calls"):
+                    calls = choice["message"]["tool_calls"]
+                    tail["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                else:
+                    rest = (self.inputs.prefill + run.decoder.text)[sent_text[run.index] :]
+                    if rest:
+                        tail["content"] = rest
+                yield self._chunk(
+                    [
+                        {
+                            "index": run.index,
+                            "delta": tail,
+                            "logprobs": None,
+                            "finish_reason": choice["finish_reason"],
+                        }
+                    ]
+                )
+            opts = self.body.stream_options
+            if opts is not None and opts.include_usage:
+                yield self._chunk([], usage=self._usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            if not finished:
+                await self._abort_commit(tasks)
+
+    async def _abort_commit(self, tasks: list[asyncio.Task[None]]) -> None:
+        """The client went away (or the engine failed): keep what was generated, marked aborted."""
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if any(r.ids for r in self.runs):
+            for r in self.runs:
+                r.mark_aborted()
+            choices = [self._choice_json(r) for r in self.runs]
+            await self._commit(choices, aborted=True)
+        else:
+            self._release()
+
+    def _delta(
+        self, run: ChoiceRun, sent_text: list[int], sent_tokens: list[int]
+    ) -> dict[str, Any] | None:
+        """What to send for `run` now: new visible text (never tool-call markup, never what may
+        still turn into a stop string) and the logprobs of new tokens."""
+        i = run.index
+        delta: dict[str, Any] = {}
+        text = self.inputs.prefill + run.decoder.safe_text()
+        if self.inputs.parse_tools and (at := text.find(TOOL_CALL_OPEN)) >= 0:
+            text = text[:at]
+        if len(text) > sent_text[i]:
+            delta["content"] = text[sent_text[i] :]
+            sent_text[i] = len(text)
+        logprobs = None
+        if self.body.logprobs and len(run.ids) > sent_tokens[i]:
+            lo = sent_tokens[i]
+            tok = self.s.renderer.tokenizer
+            entries = chat_logprobs(tok, run.ids[lo:], run.logprobs[lo:], run.top_logprobs[lo:])
+            logprobs = {"content": entries}
+            sent_tokens[i] = len(run.ids)
+        if not delta and logprobs is None:
+            return None
+        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}

@@ -1,0 +1,192 @@
+"""Messages to token ids and back: the gateway owns tokenization (DESIGN.md, token truth).
+
+- `normalize_messages` turns OpenAI messages into the plain dicts that are rendered and compared
+  (tool-call arguments parsed to objects, ids dropped, content flattened to text), so that an agent
+  echoing back our reply with different JSON spacing or fresh tool-call ids still extends its
+  segment.
+- `ChatRenderer` renders with the model's chat template and computes the tokens that continue a
+  segment: its exact tokens, then the template's end-of-turn glue, then the rendered new messages.
+  The model's own output is never re-tokenized.
+- `parse_tool_calls` reads Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
+  blocks out of generated text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import BadRequest
+from gateway.openai_types import ChatMessage, Tool
+
+Message = dict[str, Any]
+
+_SENTINEL = "\x00rlgateway-sentinel\x00"
+TOOL_CALL_OPEN = "<tool_call>"
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise BadRequest(
+                f"message content part of type {part.type!r} is not supported: send text parts",
+                param="messages",
+            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _arguments(raw: str | dict[str, Any]) -> Any:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def normalize_messages(messages: list[ChatMessage]) -> list[Message]:
+    """Plain, comparable dicts: role, content (text), and tool_calls / tool_call_id / name."""
+    out: list[Message] = []
+    for m in messages:
+        msg: Message = {"role": "system" if m.role == "developer" else m.role}
+        msg["content"] = _text(m.content)
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments(c.function.arguments),
+                    },
+                }
+                for c in m.tool_calls
+            ]
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id or ""
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def normalize_tools(tools: list[Tool] | None) -> list[dict[str, Any]]:
+    return [t.model_dump(exclude_none=True) for t in tools or []]
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedToolCall:
+    name: str
+    arguments: str
+    """The arguments as a JSON string, as OpenAI returns them."""
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    """Split generated text into (content before the first tool call, the tool calls).
+
+    A block whose body is not a JSON object with a string `name` is not a tool call: the whole
+    text then stays content, so nothing the model wrote is lost.
+    """
+    start = text.find(TOOL_CALL_OPEN)
+    if start < 0:
+        return text, []
+    calls: list[ParsedToolCall] = []
+    for body in _TOOL_CALL_RE.findall(text[start:]):
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        args = obj.get("arguments", obj.get("parameters", {}))
+        calls.append(
+            ParsedToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+        )
+    content = text[:start].strip()
+    return (content or None), calls
+
+
+def tool_call_json(calls: list[ParsedToolCall], prefix: str) -> list[dict[str, Any]]:
+    """OpenAI `message.tool_calls` for parsed calls, with fresh ids."""
+    return [
+        {
+            "id": f"call_{prefix}_{i}_{uuid.uuid4().hex[:8]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        for i, c in enumerate(calls)
+    ]
+
+
+class ChatRenderer:
+    """The model's chat template and tokenizer, and the glue between turns."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat template: chat needs one")
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
+        rendered = self.render(probe, None, add_generation_prompt=False)
+        self.assistant_tail = rendered[rendered.index(_SENTINEL) + len(_SENTINEL) :]
+        """What the template writes after an assistant message's content (ChatML: im_end, \\n)."""
+
+    def render(
+        self,
+        messages: list[Message],
+        tools: list[dict[str, Any]] | None,
+        *,
+        add_generation_prompt: bool,
+    ) -> str:
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+        assert isinstance(text, str)
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def prompt(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None, prefill: str = ""
+    ) -> list[int]:
+        """Token ids of a fresh prompt: the rendered messages and the generation prompt."""
+        return self.encode(self.render(messages, tools, add_generation_prompt=True) + prefill)
+
+    def continuation(
+        self,
+        segment_tokens: list[int],
+        transcript: list[Message],
+        messages: list[Message],
+        tools: list[dict[str, Any]] | None,
+        prefill: str = "",
+    ) -> list[int] | None:
+        """The prompt that continues a segment whose transcript `messages` extends: the segment's
+        exact tokens, the end-of-turn glue, and the new messages rendered. None when the template
+        is not append-only for these messages (the caller then opens a new segment)."""
+        before = self.render(transcript, tools, add_generation_prompt=False)
+        full = self.render(messages, tools, add_generation_prompt=True)
+        if not full.startswith(before) or not before.endswith(self.assistant_tail):
+            return None
+        glue = self.assistant_tail
+        last = segment_tokens[-1] if segment_tokens else None
+        if last is not None and last in self.eos_token_ids:
+            eos_text = self.decode([last], skip_special_tokens=False)
+            if glue.startswith(eos_text):
+                glue = glue[len(eos_text) :]
+        return segment_tokens + self.encode(glue + full[len(before) :] + prefill)

@@ -1,0 +1,115 @@
+"""One generated choice: drives an engine stream token by token, applies stop strings, and keeps
+the exact sampled ids, behaviour logprobs and versions (truncated where a stop string matched)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.base import GenerateRequest, TokenChunk
+from gateway.detok import IncrementalDecoder
+
+
+@dataclass(eq=False, slots=True)
+class ChoiceRun:
+    index: int
+    request: GenerateRequest
+    stream: AsyncIterator[TokenChunk]
+    decoder: IncrementalDecoder
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    finish_reason: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def ids(self) -> list[int]:
+        return self.decoder.ids
+
+    async def run(self, on_progress: Callable[[ChoiceRun], None] | None = None) -> None:
+        """Consume the engine stream to its end (or to a stop string, which aborts it)."""
+        async with contextlib.aclosing(self.stream) as stream:  # type: ignore[type-var]
+            async for chunk in stream:
+                self._take(chunk)
+                if on_progress is not None:
+                    on_progress(self)
+                if self.finish_reason is not None:
+                    return
+
+    def _take(self, chunk: TokenChunk) -> None:
+        if chunk.token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        for j, tok in enumerate(chunk.token_ids):
+            self.decoder.push(tok)
+            self.logprobs.append(chunk.logprobs[j])
+            self.versions.append(chunk.versions[j])
+            if chunk.top_logprobs:
+                self.top_logprobs.append(chunk.top_logprobs[j])
+            if self.decoder.stopped:
+                self.finish_reason = "stop"
+                return
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason.value
+
+    def mark_aborted(self) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = "abort"
+
+    @property
+    def latency_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1000
+
+    @property
+    def ttft_ms(self) -> float | None:
+        if self.first_token_at is None:
+            return None
+        return (self.first_token_at - self.started) * 1000
+
+
+def _piece(tokenizer: Any, token_id: int) -> tuple[str, list[int]]:
+    text = str(tokenizer.decode([token_id], skip_special_tokens=False))
+    return text, list(text.encode("utf-8"))
+
+
+def chat_logprobs(
+    tokenizer: Any, ids: list[int], logprobs: list[float], tops: list[tuple[tuple[int, float], ...]]
+) -> list[dict[str, Any]]:
+    """OpenAI chat `logprobs.content` entries for sampled tokens."""
+    out = []
+    for i, (tok, lp) in enumerate(zip(ids, logprobs, strict=True)):
+        text, raw = _piece(tokenizer, tok)
+        alternatives = []
+        for alt, alt_lp in tops[i] if i < len(tops) else ():
+            alt_text, alt_raw = _piece(tokenizer, alt)
+            alternatives.append({"token": alt_text, "logprob": alt_lp, "bytes": alt_raw})
+        out.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alternatives})
+    return out
+
+
+def completion_logprobs(
+    tokenizer: Any,
+    ids: list[int],
+    logprobs: list[float],
+    tops: list[tuple[tuple[int, float], ...]],
+    offset: int = 0,
+) -> dict[str, Any]:
+    """OpenAI legacy completions `logprobs` for sampled tokens."""
+    tokens, offsets, top = [], [], []
+    pos = offset
+    for i, tok in enumerate(ids):
+        text, _ = _piece(tokenizer, tok)
+        tokens.append(text)
+        offsets.append(pos)
+        pos += len(text)
+        if i < len(tops):
+            top.append({_piece(tokenizer, a)[0]: lp for a, lp in tops[i]})
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": top or None,
+        "text_offset": offsets,
+    }

@@ -1,0 +1,75 @@
+"""`rlgateway db upgrade|current [--database-url URL]`: migrate the store's schema, or show it.
+
+The URL comes from --database-url, else RLGATEWAY_DATABASE_URL, else sqlite:///rlgateway.db.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gateway.cli import CLIError
+
+if TYPE_CHECKING:
+    from store.db import Database
+
+DEFAULT_DATABASE_URL = "sqlite:///rlgateway.db"
+
+
+def database_url(arg: str | None) -> str:
+    """The database URL a command uses: the flag, else the environment, else the default."""
+    return arg or os.environ.get("RLGATEWAY_DATABASE_URL") or DEFAULT_DATABASE_URL
+
+
+def run_db(args: argparse.Namespace) -> int:
+    from sqlalchemy.engine import make_url
+
+    from store import StoreError
+    from store.db import Database, redact
+
+    try:
+        db = Database(database_url(args.database_url))
+    except ValueError as exc:
+        raise CLIError(f"{exc} (from --database-url or RLGATEWAY_DATABASE_URL)") from exc
+    shown = redact(db.url)
+    if args.db_command == "current" and db.dialect == "sqlite":
+        path = Path(make_url(db.url).database or "")
+        if not path.is_file():
+            raise CLIError(
+                f"no SQLite database at {path.resolve()}: create it with `rlgateway db upgrade`, "
+                "or pass --database-url"
+            )
+    try:
+        line = asyncio.run(_command(db, args.db_command))
+    except StoreError as exc:
+        raise CLIError(str(exc)) from exc
+    print(f"{shown}: {line}")
+    return 0
+
+
+async def _command(db: Database, command: str) -> str:
+    from store import migrate
+
+    try:
+        await db.ping()
+        head = migrate.head_revision()
+        if command == "upgrade":
+            before = await migrate.current_revision(db)
+            await migrate.upgrade(db)
+            if before == head:
+                return f"already at revision {head} (head)"
+            return f"upgraded from {before or 'an empty database'} to revision {head} (head)"
+        if command == "current":
+            current = await migrate.current_revision(db)
+            if current is None:
+                return "no schema yet (empty database): run `rlgateway db upgrade`"
+            if current == head:
+                return f"{current} (head)"
+            migrate.check_known(current, db)
+            return f"{current} (head is {head}: run `rlgateway db upgrade`)"
+        raise AssertionError(f"unhandled db command {command!r}")
+    finally:
+        await db.dispose()

@@ -1,0 +1,265 @@
+"""`/v1/completions`: a text or token-id prompt, n choices, recorded like chat turns.
+
+A token prompt that starts with one of the session's completion segments extends it (the exact
+tokens are right there in the prompt); anything else opens a segment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engines.base import Engine
+from gateway.chat import choice_requests, sampling_params
+from gateway.chat_render import ChatRenderer
+from gateway.choices import ChoiceRun, completion_logprobs
+from gateway.detok import IncrementalDecoder
+from gateway.errors import BadRequest
+from gateway.openai_types import CompletionRequest
+from gateway.recorder import ChoiceOutcome, Plan, Recorder
+from gateway.segments import LiveSegment, extends_tokens
+from store.types import TurnStatus
+
+COMPLETION_TRANSCRIPT = {"kind": "completion"}
+
+
+def prompts_of(body: CompletionRequest, renderer: ChatRenderer) -> list[list[int]]:
+    p = body.prompt
+    if body.echo:
+        raise BadRequest("echo is not supported: the prompt is yours already", param="echo")
+    if isinstance(p, str):
+        return [renderer.encode(p)]
+    if p and all(isinstance(x, int) for x in p):
+        return [list(p)]  # type: ignore[arg-type]
+    if p and all(isinstance(x, str) for x in p):
+        return [renderer.encode(x) for x in p]  # type: ignore[arg-type]
+    if p and all(isinstance(x, list) for x in p):
+        return [list(x) for x in p]  # type: ignore[arg-type]
+    raise BadRequest("prompt must be a string, token ids, or a list of either", param="prompt")
+
+
+class CompletionService:
+    def __init__(
+        self, engine: Engine, renderer: ChatRenderer, recorder: Recorder | None, model_name: str
+    ) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.recorder = recorder
+        self.model_name = model_name
+
+    async def _plan(self, prompt: list[int], session_id: str | None, n: int) -> Plan | None:
+        if session_id is None or self.recorder is None:
+            return None
+
+        def choose(segments: list[LiveSegment]) -> tuple[LiveSegment | None, list[int] | None]:
+            for seg in reversed(segments):
+                if extends_tokens(seg, prompt):
+                    return seg, prompt
+            return None, None
+
+        return await self.recorder.plan(session_id, n, choose, lambda: prompt)
+
+    async def create(
+        self, body: CompletionRequest, session_id: str | None
+    ) -> dict[str, Any] | AsyncIterator[str]:
+        top = body.logprobs or 0
+        sp = sampling_params(body, body.max_tokens, top)
+        groups: list[tuple[list[int], Plan | None, list[ChoiceRun]]] = []
+        try:
+            for prompt in prompts_of(body, self.renderer):
+                plan = await self._plan(prompt, session_id, body.n)
+                groups.append((prompt, plan, []))
+                for req in choice_requests(sp, prompt, body.n):
+                    groups[-1][2].append(
+                        ChoiceRun(
+                            index=len(groups[-1][2]) + (len(groups) - 1) * body.n,
+                            request=req,
+                            stream=self.engine.generate(req),
+                            decoder=IncrementalDecoder(
+                                self.renderer.tokenizer, body.stop_strings(), holdback=[]
+                            ),
+                        )
+                    )
+        except BaseException:
+            self._release(groups)
+            raise
+        turn = _CompletionTurn(self, body, groups, sp)
+        return turn.stream() if body.stream else await turn.complete()
+
+    def _release(self, groups: list[tuple[list[int], Plan | None, list[ChoiceRun]]]) -> None:
+        for _, plan, _ in groups:
+            if plan is not None and self.recorder is not None:
+                self.recorder.release(plan)
+
+
+class _CompletionTurn:
+    def __init__(
+        self,
+        service: CompletionService,
+        body: CompletionRequest,
+        groups: list[tuple[list[int], Plan | None, list[ChoiceRun]]],
+        sampling: Any,
+    ) -> None:
+        self.s = service
+        self.body = body
+        self.groups = groups
+        self.sampling = sampling
+        self.id = f"cmpl-{uuid.uuid4().hex[:29]}"
+        self.created = int(time.time())
+        self.runs = [r for _, _, runs in groups for r in runs]
+        self.done = False
+
+    def completion_id(self, i: int) -> str:
+        return self.id if len(self.runs) == 1 else f"{self.id}-{i}"
+
+    def _choice(self, run: ChoiceRun) -> dict[str, Any]:
+        logprobs = None
+        if self.body.logprobs is not None:
+            tok = self.s.renderer.tokenizer
+            logprobs = completion_logprobs(tok, run.ids, run.logprobs, run.top_logprobs)
+        return {
+            "index": run.index,
+            "text": run.decoder.text,
+            "logprobs": logprobs,
+            "finish_reason": run.finish_reason or "abort",
+            "completion_id": self.completion_id(run.index),
+        }
+
+    def _usage(self) -> dict[str, int]:
+        prompt = sum(len(p) * len(runs) for p, _, runs in self.groups) // max(1, self.body.n)
+        completion = sum(len(r.ids) for r in self.runs)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    async def _commit(self, aborted: bool) -> None:
+        recorder = self.s.recorder
+        if recorder is None or self.done:
+            return
+        self.done = True
+        request = self.body.model_dump(mode="json", exclude_none=True)
+        sampling = {f: getattr(self.sampling, f) for f in self.sampling.__dataclass_fields__}
+        for _, plan, runs in self.groups:
+            if plan is None:
+                continue
+            if aborted and not any(r.ids for r in runs):
+                recorder.release(plan)
+                continue
+            outcomes = []
+            for r in runs:
+                if aborted:
+                    r.mark_aborted()
+                choice = self._choice(r)
+                outcomes.append(
+                    ChoiceOutcome(
+                        completion_id=self.completion_id(r.index),
+                        transcript=dict(COMPLETION_TRANSCRIPT),
+                        output_ids=list(r.ids),
+                        logprobs=list(r.logprobs),
+                        versions=list(r.versions),
+                        finish_reason=choice["finish_reason"],
+                        status=TurnStatus.ABORTED if aborted else TurnStatus.OK,
+                        response=choice,
+                        latency_ms=r.latency_ms,
+                        ttft_ms=r.ttft_ms,
+                    )
+                )
+            await recorder.commit_shielded(plan, outcomes, sampling, request)
+
+    def _release(self) -> None:
+        if not self.done:
+            self.done = True
+            self.s._release(self.groups)
+
+    async def complete(self) -> dict[str, Any]:
+        try:
+            await asyncio.gather(*(r.run() for r in self.runs))
+        except BaseException:
+            self._release()
+            raise
+        await self._commit(aborted=False)
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.s.model_name,
+            "choices": [self._choice(r) for r in self.runs],
+            "usage": self._usage(),
+        }
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.s.model_name,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def stream(self) -> AsyncIterator[str]:
+        queue: asyncio.Queue[ChoiceRun | None] = asyncio.Queue()
+        sent = [0] * len(self.runs)
+        tasks: list[asyncio.Task[None]] = []
+
+        async def drive(run: ChoiceRun) -> None:
+            try:
+                await run.run(on_progress=queue.put_nowait)
+            finally:
+                queue.put_nowait(None)
+
+        finished = False
+        try:
+            tasks = [asyncio.create_task(drive(r)) for r in self.runs]
+            remaining = len(self.runs)
+            while remaining:
+                run = await queue.get()
+                if run is None:
+                    remaining -= 1
+                    continue
+                text = run.decoder.safe_text()
+                if len(text) > sent[run.index]:
+                    yield self._chunk(
+                        [
+                            {
+                                "index": run.index,
+                                "text": text[sent[run.index] :],
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
+                    sent[run.index] = len(text)
+            for t in tasks:
+                t.result()
+            await self._commit(aborted=False)
+            finished = True
+            for run in self.runs:
+                yield self._chunk(
+                    [
+                        {
+                            "index": run.index,
+                            "text": run.decoder.text[sent[run.index] :],
+                            "logprobs": None,
+                            "finish_reason": run.finish_reason,
+                        }
+                    ]
+                )
+            opts = self.body.stream_options
+            if opts is not None and opts.include_usage:
+                yield self._chunk([], usage=self._usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            if not finished:
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await self._commit(aborted=True)

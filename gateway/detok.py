@@ -1,0 +1,61 @@
+"""Incremental detokenization with stop strings, token by token.
+
+Decoding the whole output after every token is quadratic; this keeps two offsets (as vLLM does):
+text is decoded from `prefix` to the end and compared with the text up to `read`, and a delta is
+released only when it does not end in an incomplete UTF-8 character.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDecoder:
+    def __init__(self, tokenizer: Any, stop_strings: list[str], *, holdback: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+        self.ids: list[int] = []
+        self.text = ""
+        """Everything decoded so far (special tokens skipped), cut at a matched stop string."""
+        self.stopped = False
+        """True once a stop string matched: `ids` ends with the token that completed it."""
+        self._prefix = 0
+        self._read = 0
+        self._watch = [*stop_strings, *holdback]
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def push(self, token_id: int) -> None:
+        """Add one sampled token; sets `stopped` (and truncates `text`) on a stop string."""
+        assert not self.stopped
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return
+        start = len(self.text)
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        if self.stop_strings:
+            longest = max(len(s) for s in self.stop_strings)
+            window_from = max(0, start - longest + 1)
+            hits = [
+                (pos, s) for s in self.stop_strings if (pos := self.text.find(s, window_from)) >= 0
+            ]
+            if hits:
+                self.text = self.text[: min(hits)[0]]
+                self.stopped = True
+
+    def safe_text(self) -> str:
+        """The text that can be shown now: what might still become a stop string or a watched
+        marker (such as `<tool_call>`) is held back until it is decided."""
+        if self.stopped:
+            return self.text
+        hold = 0
+        for s in self._watch:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return self.text[: len(self.text) - hold]

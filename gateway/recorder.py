@@ -1,0 +1,147 @@
+"""Plans which segment each choice of a request lands in, and commits finished choices.
+
+`plan` runs under the session's lock and reserves segments (marks them busy) so that concurrent
+requests of one session fork instead of interleaving; `commit` writes every choice of a request in
+one store transaction *before* the response is sent, then advances the live segments; `release`
+undoes a plan whose request failed, leaving the session as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.segments import LiveSegment, SegmentTracker, SessionState, Transcript
+from store import Store
+from store.types import CompletionRecord, TurnStatus
+
+
+@dataclass(eq=False, slots=True)
+class Target:
+    """Where one choice is recorded."""
+
+    segment: LiveSegment
+    opens: bool
+    prefix_len: int
+    prefix_break: bool
+
+
+@dataclass(eq=False, slots=True)
+class Plan:
+    session_id: str
+    state: SessionState
+    prompt_ids: list[int]
+    targets: list[Target]
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceOutcome:
+    """A finished choice, ready to record."""
+
+    completion_id: str
+    transcript: Transcript
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    status: TurnStatus
+    response: dict[str, Any]
+    latency_ms: float
+    ttft_ms: float | None
+
+
+class Recorder:
+    def __init__(self, store: Store, tracker: SegmentTracker) -> None:
+        self.store = store
+        self.tracker = tracker
+
+    async def plan(
+        self,
+        session_id: str,
+        n: int,
+        choose: Callable[[list[LiveSegment]], tuple[LiveSegment | None, list[int] | None]],
+        fresh_prompt: Callable[[], list[int]],
+    ) -> Plan:
+        """Reserve segments for `n` choices. `choose` picks the segment the request extends (most
+        recent first) and returns the continued prompt for it; `fresh_prompt` renders a prompt
+        from scratch when none is extended (or the template is not append-only there)."""
+        state = await self.tracker.state(session_id)
+        async with state.lock:
+            matched, continued = choose([s for s in state.segments if s.transcript is not None])
+            targets: list[Target] = []
+            if matched is not None and continued is not None:
+                prompt = continued
+                if matched.busy:  # a parallel call on the same history: fork, context only
+                    targets.append(Target(state.open_segment(), True, 0, True))
+                else:
+                    matched.busy = True
+                    targets.append(Target(matched, False, len(matched.tokens), False))
+            else:
+                prompt = fresh_prompt()
+                had = any(s.transcript is not None for s in state.segments)
+                targets.append(Target(state.open_segment(), True, 0, had))
+            for _ in range(n - 1):  # sibling choices branch into segments of their own
+                targets.append(Target(state.open_segment(), True, 0, False))
+            return Plan(session_id, state, prompt, targets)
+
+    def release(self, plan: Plan) -> None:
+        for t in plan.targets:
+            if t.opens:
+                plan.state.discard(t.segment)
+            else:
+                t.segment.busy = False
+
+    async def commit(
+        self,
+        plan: Plan,
+        outcomes: list[ChoiceOutcome],
+        sampling: dict[str, Any],
+        request: dict[str, Any],
+    ) -> None:
+        """Write every choice in one transaction, then advance the live segments. On failure
+        nothing is written and the plan is released."""
+        records = [
+            CompletionRecord(
+                id=o.completion_id,
+                session_id=plan.session_id,
+                segment_id=t.segment.id,
+                segment_index=t.segment.index,
+                opens_segment=t.opens,
+                prefix_break=t.prefix_break,
+                transcript=o.transcript,
+                prefix_len=t.prefix_len,
+                prompt_ids=plan.prompt_ids,
+                output_ids=o.output_ids,
+                logprobs=o.logprobs,
+                versions=o.versions,
+                finish_reason=o.finish_reason,
+                status=o.status,
+                sampling=sampling,
+                request=request,
+                response=o.response,
+                latency_ms=o.latency_ms,
+                ttft_ms=o.ttft_ms,
+            )
+            for t, o in zip(plan.targets, outcomes, strict=True)
+        ]
+        try:
+            await self.store.record_completions(records)
+        except BaseException:
+            self.release(plan)
+            raise
+        for t, o in zip(plan.targets, outcomes, strict=True):
+            t.segment.tokens = plan.prompt_ids + o.output_ids
+            t.segment.transcript = o.transcript
+            t.segment.busy = False
+
+    async def commit_shielded(
+        self,
+        plan: Plan,
+        outcomes: list[ChoiceOutcome],
+        sampling: dict[str, Any],
+        request: dict[str, Any],
+    ) -> None:
+        """`commit` that completes even if the caller is cancelled (a client that went away)."""
+        await asyncio.shield(self.commit(plan, outcomes, sampling, request))

@@ -1,0 +1,1 @@
+"""One APIRouter per resource: OpenAI routes, runs, sessions."""

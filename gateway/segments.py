@@ -1,0 +1,116 @@
+"""Which segment a request extends (DESIGN.md, multi-turn).
+
+A session is a list of segments, each a token-exact training sequence with a transcript: the
+messages (and tools) of its last request plus the reply the gateway produced. A request whose
+messages start with a segment's transcript extends that segment (the most recent such segment);
+anything else opens a new segment and counts as a prefix break. While one request extends a
+segment, a second request matching it (parallel sub-calls) forks: it opens a new segment whose
+prompt holds the shared prefix as context only, so no sampled token is ever trained twice.
+
+The live state is kept per session in memory (bounded LRU) and rebuilt from the store on first use,
+so a restarted gateway continues its sessions token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from store import Store
+
+Transcript = dict[str, Any]
+
+
+@dataclass(eq=False, slots=True)
+class LiveSegment:
+    id: str
+    index: int
+    transcript: Transcript | None
+    """None while its first turn is in flight."""
+    tokens: list[int]
+    busy: bool = False
+
+
+@dataclass(slots=True)
+class SessionState:
+    segments: list[LiveSegment]
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def open_segment(self) -> LiveSegment:
+        index = max((s.index for s in self.segments), default=-1) + 1
+        seg = LiveSegment(
+            id=f"seg_{uuid.uuid4().hex[:24]}", index=index, transcript=None, tokens=[], busy=True
+        )
+        self.segments.append(seg)
+        return seg
+
+    def discard(self, seg: LiveSegment) -> None:
+        if seg in self.segments:
+            self.segments.remove(seg)
+
+
+def chat_transcript(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Transcript:
+    return {"kind": "chat", "messages": messages, "tools": tools}
+
+
+def extends(
+    transcript: Transcript | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> bool:
+    """The request's messages start with the transcript's, with the same tools."""
+    if transcript is None or transcript.get("kind") != "chat":
+        return False
+    prior = transcript["messages"]
+    return (
+        transcript["tools"] == tools
+        and len(prior) < len(messages)
+        and messages[: len(prior)] == prior
+    )
+
+
+def extends_tokens(seg: LiveSegment, prompt_ids: list[int]) -> bool:
+    """A completions request whose token prompt starts with the segment's tokens."""
+    n = len(seg.tokens)
+    return (
+        seg.transcript is not None
+        and seg.transcript.get("kind") == "completion"
+        and 0 < n < len(prompt_ids)
+        and prompt_ids[:n] == seg.tokens
+    )
+
+
+class SegmentTracker:
+    """Per-session live segment state, loaded lazily from the store, bounded by an LRU."""
+
+    def __init__(self, store: Store, *, max_sessions: int = 10_000) -> None:
+        self.store = store
+        self.max_sessions = max_sessions
+        self._states: OrderedDict[str, SessionState] = OrderedDict()
+        self._loading = asyncio.Lock()
+
+    async def state(self, session_id: str) -> SessionState:
+        state = self._states.get(session_id)
+        if state is None:
+            async with self._loading:
+                state = self._states.get(session_id)
+                if state is None:
+                    rows = await self.store.load_segments(session_id)
+                    segments = [
+                        LiveSegment(r.id, r.index, r.transcript, list(r.tokens)) for r in rows
+                    ]
+                    state = SessionState(segments)
+                    self._states[session_id] = state
+                    self._evict()
+        self._states.move_to_end(session_id)
+        return state
+
+    def _evict(self) -> None:
+        while len(self._states) > self.max_sessions:
+            for sid, st in self._states.items():
+                if not st.lock.locked() and not any(s.busy for s in st.segments):
+                    del self._states[sid]
+                    break
+            else:
+                return

@@ -1,0 +1,36 @@
+"""Service settings: flags or environment variables prefixed `RLGATEWAY_`."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RLGATEWAY_", extra="ignore")
+
+    database_url: str = "sqlite:///rlgateway.db"
+    """Where trajectories go: sqlite:///PATH (default ./rlgateway.db) or postgresql://..."""
+    admin_token: str | None = None
+    """Bearer token for /runs and admin calls. `rlgateway serve` makes one up (and prints it)
+    when unset; set it for anything but a local trial."""
+    model: str | None = None
+    """A Hugging Face model directory; unset means the tiny model (built on first use)."""
+    served_model_name: str | None = None
+    """The name /v1/models reports; defaults to the model directory's name."""
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    public_url: str | None = None
+    """How agents reach this gateway (for the base_url of new sessions); default http://host:port."""
+    device: str | None = None
+    """cpu or cuda for the local engine; default: cuda when present."""
+    max_batch: int = Field(64, ge=1)
+    """Sequences the local engine decodes together."""
+    max_model_len: int | None = Field(None, ge=16)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """Requests with a larger body get 413."""
+    discount: float = Field(1.0, ge=0.0, le=1.0)
+    """Default per-turn discount gamma for returns (a run's config may set `discount`)."""
+
+    def base_url(self) -> str:
+        return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")

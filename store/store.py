@@ -1,0 +1,182 @@
+"""`Store`: the one object the gateway and the trainer hold. Thin methods over the modules that
+implement them (`sessions`, `turns`, `rewards`, `trajectories`, `queue`); each call is one short
+transaction, so one `Store` serves any number of concurrent asyncio tasks.
+"""
+
+from __future__ import annotations
+
+from typing import Self
+
+from store import migrate, queue, rewards, sessions, turns
+from store.db import Database, redact
+from store.errors import StoreError
+from store.trajectories import check_gamma, load_sessions
+from store.types import (
+    JSON,
+    CompletionRecord,
+    NewSession,
+    Run,
+    SegmentState,
+    SessionDetail,
+    SessionInfo,
+    Trajectory,
+)
+
+
+class Store:
+    """The durable trajectory store on SQLite or PostgreSQL. Create it with `Store.connect`."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self.url: str = db.url
+        """The normalized (async driver) URL."""
+        self.dialect: str = db.dialect
+        """"sqlite" or "postgresql"."""
+
+    @classmethod
+    async def connect(cls, url: str, *, upgrade: bool = True) -> Self:
+        """Open the database at `url` (see `store.db.normalize_url` for the accepted forms).
+
+        With `upgrade` (the default) the schema is first migrated to the newest revision; without
+        it, a database not at that revision is refused with a StoreError that says to run
+        `rlgateway db upgrade`. A database that cannot be reached raises StoreError too.
+        """
+        db = Database(url)
+        try:
+            await db.ping()
+            if upgrade:
+                await migrate.upgrade(db)
+            else:
+                current, head = await migrate.current_revision(db), migrate.head_revision()
+                migrate.check_known(current, db)
+                if current != head:
+                    raise StoreError(
+                        f"database {redact(db.url)} is at schema revision {current or 'none'}, "
+                        f"this rlgateway needs {head}: run `rlgateway db upgrade`"
+                    )
+        except BaseException:
+            await db.dispose()
+            raise
+        return cls(db)
+
+    async def close(self) -> None:
+        await self._db.dispose()
+
+    # runs
+
+    async def create_run(self, name: str, config: JSON) -> Run:
+        """A new run `run_<24 hex>` with status "active"."""
+        return await sessions.create_run(self._db, name, config)
+
+    async def get_run(self, run_id: str) -> Run:
+        """Raises NotFoundError for an unknown id."""
+        return await sessions.get_run(self._db, run_id)
+
+    # sessions
+
+    async def create_sessions(
+        self,
+        run_id: str,
+        count: int,
+        *,
+        group_id: str | None = None,
+        metadata: JSON | None = None,
+    ) -> list[NewSession]:
+        """`count` (1..1024) new sessions `sess_<24 hex>` of one run and group, each with its
+        bearer key `rlg-...` (returned here once; stored only as its sha256). NotFoundError for
+        an unknown run."""
+        return await sessions.create_sessions(
+            self._db, run_id, count, group_id=group_id, metadata=metadata
+        )
+
+    async def get_session(self, session_id: str) -> SessionInfo:
+        """Raises NotFoundError for an unknown id."""
+        return await sessions.get_session(self._db, session_id)
+
+    async def session_for_key(self, api_key: str) -> SessionInfo | None:
+        """The session whose bearer key this is, or None."""
+        return await sessions.session_for_key(self._db, api_key)
+
+    async def end_session(self, session_id: str) -> SessionInfo:
+        """End the session (idempotent: `ended_at` is set once). NotFoundError if unknown."""
+        return await sessions.end_session(self._db, session_id)
+
+    async def load_segments(self, session_id: str) -> list[SegmentState]:
+        """The session's segments by index, each with its transcript and exact tokens."""
+        return await turns.load_segments(self._db, session_id)
+
+    # turns
+
+    async def record_completions(self, records: list[CompletionRecord]) -> None:
+        """Commit a request's completions (its n choices) in one transaction: all or nothing.
+
+        Each record opens its segment (`opens_segment`) or extends it, and must start exactly
+        at the segment's current end (`prefix_len` == its length), else ConflictError. Also
+        ConflictError: a completion or segment id (or segment index) already taken, and
+        SessionEndedError for an ended session; NotFoundError for an unknown session or
+        segment; ValueError for arrays of unequal length.
+        """
+        await turns.record_completions(self._db, records)
+
+    # rewards
+
+    async def add_reward(
+        self,
+        session_id: str,
+        value: float,
+        *,
+        completion_id: str | None = None,
+        key: str | None = None,
+    ) -> bool:
+        """Record a reward for one turn (`completion_id`) or the episode (None).
+
+        With a `key` it is idempotent: False if the key already holds this same reward,
+        ConflictError if it holds a different one. Keyless rewards always add a row. Accepted
+        after the session ended. NotFoundError for an unknown session or a completion outside
+        it; ValueError for a non-finite value.
+        """
+        return await rewards.add_reward(
+            self._db, session_id, value, completion_id=completion_id, key=key
+        )
+
+    async def session_detail(self, session_id: str, *, gamma: float = 1.0) -> SessionDetail:
+        """Everything about one session: segments token by token, rewards, returns."""
+        check_gamma(gamma)
+        async with self._db.read() as s:
+            loaded = await load_sessions(s, [session_id])
+        if session_id not in loaded:
+            raise sessions.session_not_found(session_id)
+        return loaded[session_id].detail(gamma)
+
+    # trainer side
+
+    async def list_trainable(
+        self, run_id: str, *, limit: int = 100, gamma: float = 1.0
+    ) -> list[Trajectory]:
+        """Ended sessions with at least one reward, pending or under an expired lease, oldest
+        ended first. Reads only: nothing is claimed."""
+        return await queue.list_trainable(self._db, run_id, limit=limit, gamma=gamma)
+
+    async def claim(
+        self,
+        run_id: str,
+        *,
+        limit: int,
+        owner: str,
+        lease_seconds: float,
+        gamma: float = 1.0,
+    ) -> list[Trajectory]:
+        """Atomically lease up to `limit` trainable sessions to `owner` for `lease_seconds`.
+        Concurrent claims get disjoint sets; an expired lease returns a session to the queue."""
+        return await queue.claim(
+            self._db, run_id, limit=limit, owner=owner, lease_seconds=lease_seconds, gamma=gamma
+        )
+
+    async def mark_consumed(self, session_ids: list[str], *, owner: str, step: int) -> None:
+        """Mark sessions trained at `step`. All or nothing: LeaseLostError (and no change) unless
+        every one is still leased by `owner`; NotFoundError for unknown ids."""
+        await queue.mark_consumed(self._db, session_ids, owner=owner, step=step)
+
+    async def release(self, session_ids: list[str], *, owner: str) -> None:
+        """Return the sessions leased by `owner` to the queue; others are left as they are."""
+        await queue.release(self._db, session_ids, owner=owner)

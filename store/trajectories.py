@@ -1,0 +1,164 @@
+"""Reading whole sessions back: token-exact segments, rewards and discounted returns.
+
+Everything is loaded for many sessions at once (one query per table), so the trainer's batch of
+trajectories costs four queries, not four per session.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from store.arrays import decode_f32, decode_i32
+from store.sessions import info_from_row
+from store.tables import CompletionRow, RewardRow, SegmentRow, SessionRow
+from store.types import Reward, Segment, SessionDetail, SessionInfo, Trajectory
+
+
+def check_gamma(gamma: float) -> None:
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
+
+
+def discounted_returns(
+    turn_ids: Sequence[str], rewards: Sequence[Reward], gamma: float
+) -> dict[str, float]:
+    """G_i = r_i + gamma * G_{i+1} over the turns in order; r_i sums the turn's own rewards and
+    the final (completion-less) rewards count on the last turn. Empty when there are no turns."""
+    if not turn_ids:
+        return {}
+    r = dict.fromkeys(turn_ids, 0.0)
+    for reward in rewards:
+        turn = turn_ids[-1] if reward.completion_id is None else reward.completion_id
+        r[turn] += reward.value
+    returns: dict[str, float] = {}
+    g = 0.0
+    for turn in reversed(turn_ids):
+        g = r[turn] + gamma * g
+        returns[turn] = g
+    return {turn: returns[turn] for turn in turn_ids}
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    info: SessionInfo
+    segments: list[Segment]
+    rewards: list[Reward]
+    turn_ids: list[str]
+    """The session's completion ids in turn order."""
+    finish_reasons: dict[str, str]
+
+    def detail(self, gamma: float) -> SessionDetail:
+        return SessionDetail(
+            info=self.info,
+            segments=self.segments,
+            rewards=self.rewards,
+            returns=discounted_returns(self.turn_ids, self.rewards, gamma),
+            finish_reasons=self.finish_reasons,
+        )
+
+    def trajectory(self, gamma: float) -> Trajectory:
+        versions = [
+            v
+            for seg in self.segments
+            for v, m in zip(seg.versions, seg.loss_mask, strict=True)
+            if m
+        ]
+        return Trajectory(
+            session=self.info,
+            segments=self.segments,
+            returns=discounted_returns(self.turn_ids, self.rewards, gamma),
+            reward=math.fsum(r.value for r in self.rewards),
+            min_version=min(versions, default=-1),
+        )
+
+
+class _SegmentBuilder:
+    def __init__(self, row: SegmentRow) -> None:
+        self.row = row
+        self.tokens: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.completion_ids: list[str] = []
+        self.turn_spans: list[tuple[int, int]] = []
+
+    def add(self, c: CompletionRow) -> None:
+        delta, output = decode_i32(c.prompt_delta), decode_i32(c.output_ids)
+        self.tokens += delta
+        self.loss_mask += [0] * len(delta)
+        self.logprobs += [0.0] * len(delta)
+        self.versions += [-1] * len(delta)
+        start = len(self.tokens)
+        self.tokens += output
+        self.loss_mask += [1] * len(output)
+        self.logprobs += decode_f32(c.logprobs)
+        self.versions += decode_i32(c.versions)
+        self.completion_ids.append(c.id)
+        self.turn_spans.append((start, len(self.tokens)))
+
+    def build(self) -> Segment:
+        n = len(self.tokens)
+        assert n == self.row.length, f"segment {self.row.id} holds {n} of {self.row.length}"
+        assert len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n
+        return Segment(
+            id=self.row.id,
+            index=self.row.position,
+            tokens=self.tokens,
+            loss_mask=self.loss_mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            completion_ids=self.completion_ids,
+            turn_spans=self.turn_spans,
+        )
+
+
+async def load_sessions(s: AsyncSession, session_ids: Sequence[str]) -> dict[str, Loaded]:
+    """Every found session of `session_ids`, keyed by id (missing ids are simply absent)."""
+    if not session_ids:
+        return {}
+    ids = list(session_ids)
+    sessions = list(await s.scalars(select(SessionRow).where(SessionRow.id.in_(ids))))
+    segment_rows = await s.scalars(
+        select(SegmentRow).where(SegmentRow.session_id.in_(ids)).order_by(SegmentRow.position)
+    )
+    completions = await s.scalars(
+        select(CompletionRow).where(CompletionRow.session_id.in_(ids)).order_by(CompletionRow.turn)
+    )
+    reward_rows = await s.scalars(
+        select(RewardRow).where(RewardRow.session_id.in_(ids)).order_by(RewardRow.id)
+    )
+
+    builders: dict[str, _SegmentBuilder] = {}
+    by_session: dict[str, list[_SegmentBuilder]] = defaultdict(list)
+    for seg in segment_rows:
+        builders[seg.id] = _SegmentBuilder(seg)
+        by_session[seg.session_id].append(builders[seg.id])
+    turn_ids: dict[str, list[str]] = defaultdict(list)
+    finish: dict[str, dict[str, str]] = defaultdict(dict)
+    for c in completions:
+        builders[c.segment_id].add(c)
+        turn_ids[c.session_id].append(c.id)
+        finish[c.session_id][c.id] = c.finish_reason
+    rewards: dict[str, list[Reward]] = defaultdict(list)
+    for rw in reward_rows:
+        rewards[rw.session_id].append(
+            Reward(
+                value=rw.value, completion_id=rw.completion_id, key=rw.key, created_at=rw.created_at
+            )
+        )
+    return {
+        row.id: Loaded(
+            info=info_from_row(row),
+            segments=[b.build() for b in by_session[row.id]],
+            rewards=rewards[row.id],
+            turn_ids=turn_ids[row.id],
+            finish_reasons=finish[row.id],
+        )
+        for row in sessions
+    }

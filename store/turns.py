@@ -1,0 +1,260 @@
+"""Recording turns (completions) into segments, and reading a session's segments back.
+
+A turn is stored as its prompt delta plus its sampled arrays; the segment is the concatenation
+of its turns. `record_completions` writes a whole batch (the n choices of one request) in one
+transaction and checks each turn against the segment's current length, so a segment is never
+left half-extended or extended from a stale prefix.
+
+This is the gateway's hot path (every response waits for it), so it is written as a few
+set-based statements rather than through the ORM's unit of work: extending a segment costs four
+statements and the commit.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import insert, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from store.arrays import decode_i32, encode_f32, encode_i32
+from store.db import Database, utcnow
+from store.errors import ConflictError, NotFoundError, SessionEndedError
+from store.sessions import session_not_found
+from store.tables import CompletionRow, SegmentRow, SessionRow
+from store.types import JSON, CompletionRecord, SegmentState
+
+
+def _check(record: CompletionRecord) -> None:
+    n = len(record.output_ids)
+    if len(record.logprobs) != n or len(record.versions) != n:
+        raise ValueError(
+            f"completion {record.id!r}: output_ids, logprobs and versions must share one length "
+            f"(got {n}, {len(record.logprobs)}, {len(record.versions)})"
+        )
+    if not 0 <= record.prefix_len <= len(record.prompt_ids):
+        raise ValueError(
+            f"completion {record.id!r}: prefix_len {record.prefix_len} must lie in "
+            f"[0, len(prompt_ids) = {len(record.prompt_ids)}]"
+        )
+    if record.segment_index < 0:
+        raise ValueError(f"completion {record.id!r}: segment_index must be >= 0")
+
+
+@dataclass(slots=True)
+class _Segment:
+    id: str
+    session_id: str
+    position: int
+    stored_length: int | None
+    """The length in the database before this batch; None for a segment this batch opens."""
+    length: int
+    transcript: JSON
+
+
+async def record_completions(db: Database, records: list[CompletionRecord]) -> None:
+    """Commit every record or none. See `Store.record_completions`."""
+    for record in records:
+        _check(record)
+    ids = [r.id for r in records]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"completion ids in one batch must be distinct, got {ids}")
+    if not records:
+        return
+    now = utcnow()
+    per_session = Counter(r.session_id for r in records)
+    breaks = Counter(r.session_id for r in records if r.prefix_break)
+    async with db.write() as s:
+        # Claim the turn numbers. The UPDATE also row-locks the session (PostgreSQL), which
+        # orders concurrent batches on one session; sorted, so batches lock in one order.
+        next_turn: dict[str, int] = {}
+        for session_id in sorted(per_session):
+            count = per_session[session_id]
+            turn_count = await s.scalar(
+                update(SessionRow)
+                .where(SessionRow.id == session_id, SessionRow.ended_at.is_(None))
+                .values(
+                    turn_count=SessionRow.turn_count + count,
+                    prefix_breaks=SessionRow.prefix_breaks + breaks[session_id],
+                )
+                .returning(SessionRow.turn_count)
+                .execution_options(synchronize_session=False)
+            )
+            if turn_count is None:
+                raise await _why_not_writable(s, session_id)
+            next_turn[session_id] = turn_count - count
+        taken = list(await s.scalars(select(CompletionRow.id).where(CompletionRow.id.in_(ids))))
+        if taken:
+            raise ConflictError(f"completion ids already recorded: {taken}; ids must be unique")
+
+        segments: dict[str, _Segment] = {}
+        rows: list[dict[str, Any]] = []
+        for record in records:
+            segment = await _segment_for(s, record, segments.get(record.segment_id))
+            segments[segment.id] = segment
+            if record.prefix_len != segment.length:
+                raise ConflictError(
+                    f"completion {record.id!r}: prefix_len is {record.prefix_len} but segment "
+                    f"{segment.id!r} holds {segment.length} tokens (another turn extended it "
+                    "meanwhile); reload the session's segments and start a new segment"
+                )
+            delta = record.prompt_ids[record.prefix_len :]
+            segment.length += len(delta) + len(record.output_ids)
+            segment.transcript = record.transcript
+            rows.append(_completion_row(record, delta, next_turn[record.session_id], now))
+            next_turn[record.session_id] += 1
+
+        opened = [seg for seg in segments.values() if seg.stored_length is None]
+        if opened:
+            await s.execute(
+                insert(SegmentRow),
+                [
+                    dict(
+                        id=seg.id,
+                        session_id=seg.session_id,
+                        position=seg.position,
+                        transcript=seg.transcript,
+                        length=seg.length,
+                        created_at=now,
+                    )
+                    for seg in opened
+                ],
+            )
+        for seg in segments.values():
+            if seg.stored_length is not None:
+                moved = await s.scalar(
+                    update(SegmentRow)
+                    .where(SegmentRow.id == seg.id, SegmentRow.length == seg.stored_length)
+                    .values(length=seg.length, transcript=seg.transcript)
+                    .returning(SegmentRow.id)
+                    .execution_options(synchronize_session=False)
+                )
+                assert moved is not None, f"segment {seg.id} changed under its session's lock"
+        await s.execute(insert(CompletionRow), rows)
+
+
+async def _why_not_writable(s: AsyncSession, session_id: str) -> Exception:
+    ended_at = await s.scalar(select(SessionRow.ended_at).where(SessionRow.id == session_id))
+    if ended_at is None:
+        return session_not_found(session_id)
+    return SessionEndedError(
+        f"session {session_id!r} has ended: no more turns can be recorded; "
+        "create a new session to continue"
+    )
+
+
+async def _segment_for(
+    s: AsyncSession, record: CompletionRecord, seen: _Segment | None
+) -> _Segment:
+    """The segment `record` writes into: opened by it, seen earlier in the batch, or stored."""
+    if record.opens_segment:
+        if seen is not None:
+            raise ConflictError(f"segment {record.segment_id!r} is opened twice in one batch")
+        clash = await s.scalar(
+            select(SegmentRow.id).where(
+                or_(
+                    SegmentRow.id == record.segment_id,
+                    (SegmentRow.session_id == record.session_id)
+                    & (SegmentRow.position == record.segment_index),
+                )
+            )
+        )
+        if clash is not None:
+            raise ConflictError(
+                f"session {record.session_id!r} already has segment {clash!r} (id "
+                f"{record.segment_id!r} or index {record.segment_index} is taken): reload the "
+                "session's segments and open the next index"
+            )
+        return _Segment(
+            id=record.segment_id,
+            session_id=record.session_id,
+            position=record.segment_index,
+            stored_length=None,
+            length=0,
+            transcript=record.transcript,
+        )
+    segment = seen
+    if segment is None:
+        row = (
+            await s.execute(
+                select(SegmentRow.session_id, SegmentRow.position, SegmentRow.length).where(
+                    SegmentRow.id == record.segment_id
+                )
+            )
+        ).one_or_none()
+        if row is not None:
+            segment = _Segment(
+                id=record.segment_id,
+                session_id=row.session_id,
+                position=row.position,
+                stored_length=row.length,
+                length=row.length,
+                transcript={},
+            )
+    if (
+        segment is None
+        or segment.session_id != record.session_id
+        or segment.position != record.segment_index
+    ):
+        raise NotFoundError(
+            f"session {record.session_id!r} has no segment {record.segment_id!r} at index "
+            f"{record.segment_index}: open it with opens_segment=True"
+        )
+    return segment
+
+
+def _completion_row(
+    record: CompletionRecord, delta: list[int], turn: int, now: Any
+) -> dict[str, Any]:
+    return dict(
+        id=record.id,
+        session_id=record.session_id,
+        segment_id=record.segment_id,
+        turn=turn,
+        prefix_len=record.prefix_len,
+        prompt_delta=encode_i32(delta),
+        output_ids=encode_i32(record.output_ids),
+        logprobs=encode_f32(record.logprobs),
+        versions=encode_i32(record.versions),
+        finish_reason=record.finish_reason,
+        status=record.status.value,
+        sampling=record.sampling,
+        request=record.request,
+        response=record.response,
+        latency_ms=record.latency_ms,
+        ttft_ms=record.ttft_ms,
+        created_at=now,
+    )
+
+
+async def load_segments(db: Database, session_id: str) -> list[SegmentState]:
+    """The session's segments in index order, each with its exact token list."""
+    async with db.read() as s:
+        if await s.get(SessionRow, session_id) is None:
+            raise session_not_found(session_id)
+        segments = list(
+            await s.scalars(
+                select(SegmentRow)
+                .where(SegmentRow.session_id == session_id)
+                .order_by(SegmentRow.position)
+            )
+        )
+        parts = await s.execute(
+            select(CompletionRow.segment_id, CompletionRow.prompt_delta, CompletionRow.output_ids)
+            .where(CompletionRow.session_id == session_id)
+            .order_by(CompletionRow.turn)
+        )
+        tokens: dict[str, list[int]] = {seg.id: [] for seg in segments}
+        for segment_id, delta, output in parts:
+            tokens[segment_id] += decode_i32(delta)
+            tokens[segment_id] += decode_i32(output)
+    for seg in segments:
+        assert len(tokens[seg.id]) == seg.length, f"segment {seg.id} lost tokens"
+    return [
+        SegmentState(
+            id=seg.id, index=seg.position, transcript=seg.transcript, tokens=tokens[seg.id]
+        )
+        for seg in segments
+    ]

@@ -1,0 +1,156 @@
+"""Typed records that cross the store's boundary (to the gateway, the trainer and the admin API).
+
+Token arrays are plain Python lists here; in the database they are compact little-endian binary
+(int32 for ids and versions, float32 for logprobs, uint8 for the loss mask): see `store.arrays`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+JSON = dict[str, Any]
+
+
+class SessionStatus(enum.StrEnum):
+    ACTIVE = "active"
+    ENDED = "ended"
+
+
+class TurnStatus(enum.StrEnum):
+    OK = "ok"
+    ABORTED = "aborted"
+    """The client went away mid-stream; the turn holds what was generated until then."""
+
+
+class TrainState(enum.StrEnum):
+    PENDING = "pending"
+    CLAIMED = "claimed"
+    CONSUMED = "consumed"
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    id: str
+    name: str
+    config: JSON
+    status: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    id: str
+    run_id: str
+    group_id: str | None
+    metadata: JSON
+    status: SessionStatus
+    created_at: datetime
+    ended_at: datetime | None
+    prefix_breaks: int
+    """Requests that extended none of the session's segments and so began a new one."""
+    train_state: TrainState
+
+
+@dataclass(frozen=True, slots=True)
+class NewSession:
+    info: SessionInfo
+    api_key: str
+    """The session's bearer key in plain text: returned once, stored only as a hash."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompletionRecord:
+    """One generated choice, committed before its response is sent.
+
+    Invariants: `output_ids`, `logprobs` and `versions` share one length; `prompt_ids` is the full
+    prompt the engine was given; its first `prefix_len` tokens are exactly the segment's tokens
+    before this turn (0 when the turn opens a segment), so the store keeps only the rest.
+    """
+
+    id: str
+    """`chatcmpl-...` or `cmpl-...`; with n > 1 each choice has its own id (`...-1`, `-2`)."""
+    session_id: str
+    segment_id: str
+    segment_index: int
+    """Position of the segment in its session (0, 1, ...)."""
+    opens_segment: bool
+    """True when this turn creates the segment (its row is inserted in the same transaction)."""
+    prefix_break: bool
+    """True when the request extended none of the session's segments: counted on the session."""
+    transcript: JSON
+    """The segment's transcript after this turn ({"messages": [...], "tools": [...]}): what the
+    next request must start with to extend the segment."""
+    prefix_len: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    status: TurnStatus = TurnStatus.OK
+    sampling: JSON = field(default_factory=dict)
+    request: JSON = field(default_factory=dict)
+    response: JSON = field(default_factory=dict)
+    latency_ms: float = 0.0
+    ttft_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentState:
+    """What the gateway needs to extend a segment: its transcript and its exact tokens."""
+
+    id: str
+    index: int
+    transcript: JSON
+    tokens: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One training sequence. Invariant: the four arrays share one length; `loss_mask` is 1
+    exactly on sampled tokens, `logprobs` is 0 and `versions` -1 elsewhere."""
+
+    id: str
+    index: int
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    completion_ids: list[str]
+    turn_spans: list[tuple[int, int]]
+    """Per completion, the half-open [start, end) range of its sampled tokens in `tokens`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reward:
+    value: float
+    completion_id: str | None
+    """None for an episode-level (final) reward."""
+    key: str | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class SessionDetail:
+    info: SessionInfo
+    segments: list[Segment]
+    rewards: list[Reward]
+    returns: dict[str, float]
+    """Per completion id (in turn order): G_i = r_i + gamma * G_{i+1}, where r_i sums the turn's
+    own rewards and the final reward is added to the last turn."""
+    finish_reasons: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """A finished, rewarded session as the trainer consumes it."""
+
+    session: SessionInfo
+    segments: list[Segment]
+    returns: dict[str, float]
+    reward: float
+    """The episode's total reward (sum of all its rewards)."""
+    min_version: int
+    """The oldest policy version among its sampled tokens (-1 if it has none)."""

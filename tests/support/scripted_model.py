@@ -1,0 +1,129 @@
+"""A tiny model fine-tuned (supervised, a few seconds on CPU) to follow a fixed tool-use script.
+
+Greedy decoding then really produces tool calls, so the gateway's tool-call parsing, the agent's
+echo of them, and the token-exact multi-turn recording are tested on a real model and engine:
+
+- a user turn (with tools) -> `<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>`
+- a tool result            -> `The sum is 5.`
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.tiny_model import build_tiny_model, load_tokenizer
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+CALL = {"name": "add", "arguments": {"a": 2, "b": 3}}
+ANSWER = "The sum is 5."
+QUESTIONS = [
+    "What is 2 plus 3?",
+    "Add two and three.",
+    "2+3=?",
+    "Compute 2 + 3 please.",
+    "Sum 2 and 3.",
+    "hi",
+    "What now?",
+    "And again?",
+]
+
+
+def _assistant_call() -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "c",
+                "type": "function",
+                "function": {"name": "add", "arguments": json.dumps(CALL["arguments"])},
+            }
+        ],
+    }
+
+
+def _examples() -> list[tuple[list[dict[str, Any]], str]]:
+    """(messages, the exact assistant text that must follow), covering up to 3 rounds."""
+    call_text = f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
+    out = []
+    for q in QUESTIONS:
+        history: list[dict[str, Any]] = []
+        for round_ in range(3):
+            history = [
+                *history,
+                {
+                    "role": "user",
+                    "content": QUESTIONS[(QUESTIONS.index(q) + round_) % len(QUESTIONS)],
+                },
+            ]
+            out.append((list(history), call_text))
+            history = [
+                *history,
+                _assistant_call(),
+                {"role": "tool", "tool_call_id": "c", "content": "5"},
+            ]
+            out.append((list(history), ANSWER))
+            history = [*history, {"role": "assistant", "content": ANSWER}]
+    return out
+
+
+def build_scripted_model(out_dir: Path, *, steps: int = 300, seed: int = 0) -> Path:
+    """Fine-tune the test-sized tiny model on the script; returns the model directory."""
+    from transformers import AutoModelForCausalLM
+
+    base = out_dir.parent / f"{out_dir.name}-base"
+    if base.exists():
+        shutil.rmtree(base)
+    build_tiny_model(base, seed=seed)
+    tok = load_tokenizer(base)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    rows = []
+    for messages, reply in _examples():
+        prompt = tok.apply_chat_template(
+            messages, tools=TOOLS, add_generation_prompt=True, tokenize=False
+        )
+        p_ids = tok.encode(prompt, add_special_tokens=False)
+        r_ids = [*tok.encode(reply, add_special_tokens=False), im_end]
+        rows.append((p_ids + r_ids, len(p_ids)))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    width = max(len(ids) for ids, _ in rows)
+    ids_BT = torch.zeros(len(rows), width, dtype=torch.long)
+    labels_BT = torch.full((len(rows), width), -100, dtype=torch.long)
+    attn_BT = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, (ids, n_prompt) in enumerate(rows):
+        ids_BT[b, : len(ids)] = torch.tensor(ids)
+        labels_BT[b, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+        attn_BT[b, : len(ids)] = 1
+    for _ in range(steps):
+        loss = model(input_ids=ids_BT, attention_mask=attn_BT, labels=labels_BT).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.save_pretrained(out_dir)
+    for f in base.iterdir():
+        if f.name not in {"model.safetensors", "config.json"}:
+            shutil.copy(f, out_dir / f.name)
+    shutil.rmtree(base)
+    return out_dir
