@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
+
 from engines.base import Engine, GenerateRequest, SamplingParams
 from gateway.chat_render import (
     TOOL_CALL_OPEN,
@@ -26,7 +28,7 @@ from gateway.chat_render import (
     parse_tool_calls,
     tool_call_json,
 )
-from gateway.choices import ChoiceRun, chat_logprobs
+from gateway.choices import ChoiceRun, TokenPieces, chat_logprobs
 from gateway.detok import IncrementalDecoder
 from gateway.errors import BadRequest
 from gateway.openai_types import ChatCompletionRequest, NamedToolChoice
@@ -98,6 +100,7 @@ class ChatService:
         self.renderer = renderer
         self.recorder = recorder
         self.model_name = model_name
+        self.pieces = TokenPieces(renderer.tokenizer)
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -207,8 +210,9 @@ class _Turn:
         message, finish = self._message(run)
         logprobs = None
         if self.body.logprobs:
-            tok = self.s.renderer.tokenizer
-            logprobs = {"content": chat_logprobs(tok, run.ids, run.logprobs, run.top_logprobs)}
+            logprobs = {
+                "content": chat_logprobs(self.s.pieces, run.ids, run.logprobs, run.top_logprobs)
+            }
         return {
             "index": run.index,
             "message": message,
@@ -369,7 +373,10 @@ class _Turn:
             for t in tasks:
                 t.cancel()
             if not finished:
-                await self._abort_commit(tasks)
+                # The server cancels a response whose client left through an anyio cancel scope,
+                # which would cancel these awaits too: shield them, the turn must be recorded.
+                with anyio.CancelScope(shield=True):
+                    await self._abort_commit(tasks)
 
     async def _abort_commit(self, tasks: list[asyncio.Task[None]]) -> None:
         """The client went away (or the engine failed): keep what was generated, marked aborted."""
@@ -398,8 +405,9 @@ class _Turn:
         logprobs = None
         if self.body.logprobs and len(run.ids) > sent_tokens[i]:
             lo = sent_tokens[i]
-            tok = self.s.renderer.tokenizer
-            entries = chat_logprobs(tok, run.ids[lo:], run.logprobs[lo:], run.top_logprobs[lo:])
+            entries = chat_logprobs(
+                self.s.pieces, run.ids[lo:], run.logprobs[lo:], run.top_logprobs[lo:]
+            )
             logprobs = {"content": entries}
             sent_tokens[i] = len(run.ids)
         if not delta and logprobs is None:

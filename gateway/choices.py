@@ -53,6 +53,7 @@ class ChoiceRun:
                 self.finish_reason = "stop"
                 return
         if chunk.finish_reason is not None:
+            self.decoder.flush()
             self.finish_reason = chunk.finish_reason.value
 
     def mark_aborted(self) -> None:
@@ -70,28 +71,67 @@ class ChoiceRun:
         return (self.first_token_at - self.started) * 1000
 
 
-def _piece(tokenizer: Any, token_id: int) -> tuple[str, list[int]]:
-    text = str(tokenizer.decode([token_id], skip_special_tokens=False))
-    return text, list(text.encode("utf-8"))
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-printable-character table used by byte-level BPE."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class TokenPieces:
+    """Each token id's text and its exact bytes, for OpenAI logprobs (cached per id).
+
+    With a byte-level tokenizer a token may be part of a UTF-8 character: its text then shows
+    U+FFFD, but its bytes are the raw ones, so a client can join them back into characters.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self._bytes_of = _byte_decoder()
+        self._added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+            raw = list(text.encode("utf-8"))
+            if self._byte_level and token_id not in self._added:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                if all(ch in self._bytes_of for ch in piece):
+                    raw = [self._bytes_of[ch] for ch in piece]
+            hit = self._cache[token_id] = (text, raw)
+        return hit
 
 
 def chat_logprobs(
-    tokenizer: Any, ids: list[int], logprobs: list[float], tops: list[tuple[tuple[int, float], ...]]
+    pieces: TokenPieces,
+    ids: list[int],
+    logprobs: list[float],
+    tops: list[tuple[tuple[int, float], ...]],
 ) -> list[dict[str, Any]]:
     """OpenAI chat `logprobs.content` entries for sampled tokens."""
     out = []
     for i, (tok, lp) in enumerate(zip(ids, logprobs, strict=True)):
-        text, raw = _piece(tokenizer, tok)
+        text, raw = pieces(tok)
         alternatives = []
         for alt, alt_lp in tops[i] if i < len(tops) else ():
-            alt_text, alt_raw = _piece(tokenizer, alt)
+            alt_text, alt_raw = pieces(alt)
             alternatives.append({"token": alt_text, "logprob": alt_lp, "bytes": alt_raw})
         out.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alternatives})
     return out
 
 
 def completion_logprobs(
-    tokenizer: Any,
+    pieces: TokenPieces,
     ids: list[int],
     logprobs: list[float],
     tops: list[tuple[tuple[int, float], ...]],
@@ -101,12 +141,12 @@ def completion_logprobs(
     tokens, offsets, top = [], [], []
     pos = offset
     for i, tok in enumerate(ids):
-        text, _ = _piece(tokenizer, tok)
+        text, _ = pieces(tok)
         tokens.append(text)
         offsets.append(pos)
         pos += len(text)
         if i < len(tops):
-            top.append({_piece(tokenizer, a)[0]: lp for a, lp in tops[i]})
+            top.append({pieces(a)[0]: lp for a, lp in tops[i]})
     return {
         "tokens": tokens,
         "token_logprobs": list(logprobs),

@@ -13,10 +13,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
+
 from engines.base import Engine
 from gateway.chat import choice_requests, sampling_params
 from gateway.chat_render import ChatRenderer
-from gateway.choices import ChoiceRun, completion_logprobs
+from gateway.choices import ChoiceRun, TokenPieces, completion_logprobs
 from gateway.detok import IncrementalDecoder
 from gateway.errors import BadRequest
 from gateway.openai_types import CompletionRequest
@@ -50,6 +52,7 @@ class CompletionService:
         self.renderer = renderer
         self.recorder = recorder
         self.model_name = model_name
+        self.pieces = TokenPieces(renderer.tokenizer)
 
     async def _plan(self, prompt: list[int], session_id: str | None, n: int) -> Plan | None:
         if session_id is None or self.recorder is None:
@@ -119,8 +122,7 @@ class _CompletionTurn:
     def _choice(self, run: ChoiceRun) -> dict[str, Any]:
         logprobs = None
         if self.body.logprobs is not None:
-            tok = self.s.renderer.tokenizer
-            logprobs = completion_logprobs(tok, run.ids, run.logprobs, run.top_logprobs)
+            logprobs = completion_logprobs(self.s.pieces, run.ids, run.logprobs, run.top_logprobs)
         return {
             "index": run.index,
             "text": run.decoder.text,
@@ -261,5 +263,6 @@ class _CompletionTurn:
             for t in tasks:
                 t.cancel()
             if not finished:
-                await asyncio.gather(*tasks, return_exceptions=True)
-                await self._commit(aborted=True)
+                with anyio.CancelScope(shield=True):  # see gateway/chat.py: record it anyway
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    await self._commit(aborted=True)

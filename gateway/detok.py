@@ -47,6 +47,16 @@ class IncrementalDecoder:
                 self.text = self.text[: min(hits)[0]]
                 self.stopped = True
 
+    def flush(self) -> None:
+        """Generation ended: release text held back for an incomplete character (as U+FFFD)."""
+        if self.stopped:
+            return
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before):
+            self.text += after[len(before) :]
+        self._prefix = self._read = len(self.ids)
+
     def safe_text(self) -> str:
         """The text that can be shown now: what might still become a stop string or a watched
         marker (such as `<tool_call>`) is held back until it is decided."""

@@ -1,0 +1,207 @@
+"""Policy, value, KL and entropy losses as pure functions over token-aligned tensors.
+
+Legend: B = rows in a micro-batch (one sequence per row unless packed), T = token positions,
+V = vocabulary. Every `_BT` tensor is aligned to tokens as in `advantages`: `logp_BT[b, t]` is the
+log-probability of token t; `mask_BT` is 1 on sampled tokens.
+
+Losses are reduced by `aggregation.aggregate` (see there for `agg`, `normalizer` and
+`seq_index_BT`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from trainer.algorithms.aggregation import AggMode, aggregate, check_bt_shapes, per_sequence_sum
+
+KLKind = Literal["k1", "k2", "k3"]
+ImportanceLevel = Literal["token", "sequence"]
+
+KL_CLAMP = 10.0
+"""KL estimates are clamped to [-10, 10], as AReaL does."""
+
+
+def _masked_mean(x_BT: torch.Tensor, m_BT: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    return torch.where(m_BT, x_BT, torch.zeros_like(x_BT)).sum() / n
+
+
+def _masked_min_max(x_BT: torch.Tensor, m_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max over the masked entries (0 and 0 when there are none), without a host sync."""
+    inf = torch.full_like(x_BT, torch.inf)
+    zero = torch.zeros((), dtype=x_BT.dtype, device=x_BT.device)
+    some = m_BT.any()
+    lo = torch.where(m_BT, x_BT, inf).amin()
+    hi = torch.where(m_BT, x_BT, -inf).amax()
+    return torch.where(some, lo, zero), torch.where(some, hi, zero)
+
+
+def ppo_policy_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None = None,
+    behav_logp_BT: torch.Tensor | None = None,
+    behav_imp_weight_cap: float | None = None,
+    level: ImportanceLevel = "token",
+    agg: AggMode = "token_mean",
+    norm_len: float | None = None,
+    normalizer: float | None = None,
+    seq_index_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate, with AReaL's decoupled form and GSPO's sequence-level ratio.
+
+    `logp_BT` is the policy being trained (carries the gradient). `old_logp_BT` is what the ratio
+    is taken against: pi_old in standard PPO; pi_prox (recomputed with the current weights before
+    the update) in decoupled PPO. Per token, with u = exp(logp - old_logp):
+
+        l = max(-A u, -A clip(u, 1 - eps_low, 1 + eps_high))       (eps_high > eps_low: DAPO)
+        l = min(l, c |A|)                if dual_clip_c = c (binds only for A < 0)
+        l = w l,  w = exp(old_logp - behav_logp) (detached)  if behav_logp_BT is given
+
+    i.e. decoupled PPO, the AReaL paper's Eq. 5 `-(pi_prox/pi_behav) min(u A, clip(u) A)`. Tokens
+    with w > behav_imp_weight_cap are dropped from the loss (AReaL's token/mask/ratio rejection)
+    but still counted by the normalizer. Unlike AReaL, w is always applied when behaviour
+    logprobs are given (AReaL skips it without a rejection config).
+
+    level "sequence" (GSPO): u_b = exp(mean over row b's sampled tokens of (logp - old_logp)) and
+    A_b = the row's mean advantage, both broadcast to the row's tokens; the clip applies to u_b.
+
+    Stats (0-dim tensors, over sampled tokens): clip_frac_low / clip_frac_high (the clip binds:
+    A < 0 and u < 1 - eps_low / A > 0 and u > 1 + eps_high), dual_clip_frac, ratio_mean/min/max,
+    imp_weight_mean/min/max (w; 1 when not decoupled), cap_masked_frac, approx_kl (the k3 estimate
+    of KL(behaviour || current), behaviour = old_logp when not decoupled).
+    """
+    check_bt_shapes(logp_BT=logp_BT, old_logp_BT=old_logp_BT, adv_BT=adv_BT, mask_BT=mask_BT)
+    if dual_clip_c is not None and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be > 1 (it caps the loss at c*|A|), got {dual_clip_c}")
+    if behav_imp_weight_cap is not None and behav_logp_BT is None:
+        raise ValueError("behav_imp_weight_cap needs behav_logp_BT (the decoupled loss)")
+    m = mask_BT.bool()
+    zeros = torch.zeros_like(logp_BT)
+    old = old_logp_BT.detach()
+    adv = adv_BT.detach()
+    log_ratio_BT = torch.where(m, logp_BT - old, zeros)
+    if level == "sequence":
+        count_S, idx_BT = per_sequence_sum(m.to(zeros.dtype), seq_index_BT)
+        n_S = count_S.clamp(min=1)
+        ratio_BT = torch.exp(per_sequence_sum(log_ratio_BT, seq_index_BT)[0] / n_S)[idx_BT]
+        adv = (per_sequence_sum(torch.where(m, adv, zeros), seq_index_BT)[0] / n_S)[idx_BT]
+    elif level == "token":
+        ratio_BT = torch.exp(log_ratio_BT)
+    else:
+        raise ValueError(f"unknown importance level {level!r}: use token or sequence")
+
+    surr_BT = -adv * ratio_BT
+    surr_clipped_BT = -adv * ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss_BT = torch.maximum(surr_BT, surr_clipped_BT)
+    clipped_BT = surr_BT.detach() < surr_clipped_BT.detach()
+    dual_BT = torch.zeros_like(m)
+    if dual_clip_c is not None:
+        cap_BT = dual_clip_c * adv.abs()
+        dual_BT = loss_BT.detach() > cap_BT
+        loss_BT = torch.minimum(loss_BT, cap_BT)
+
+    keep = m
+    behav = old
+    weight_BT = torch.ones_like(old)
+    if behav_logp_BT is not None:
+        check_bt_shapes(logp_BT=logp_BT, behav_logp_BT=behav_logp_BT)
+        behav = behav_logp_BT.detach()
+        weight_BT = torch.exp(torch.where(m, old - behav, zeros))
+        if behav_imp_weight_cap is not None:
+            keep = m & (weight_BT <= behav_imp_weight_cap)
+        loss_BT = weight_BT * loss_BT
+    loss_BT = torch.where(keep, loss_BT, zeros)
+    loss = aggregate(
+        loss_BT, mask_BT, agg, norm_len=norm_len, normalizer=normalizer, seq_index_BT=seq_index_BT
+    )
+
+    with torch.no_grad():
+        n = m.sum().clamp(min=1)
+        delta_BT = torch.where(m, logp_BT - behav, zeros)
+        ratio_min, ratio_max = _masked_min_max(ratio_BT, m)
+        w_min, w_max = _masked_min_max(weight_BT, m)
+        stats = {
+            "clip_frac_low": _masked_mean((clipped_BT & (adv < 0)).to(old.dtype), m, n),
+            "clip_frac_high": _masked_mean((clipped_BT & (adv > 0)).to(old.dtype), m, n),
+            "dual_clip_frac": _masked_mean(dual_BT.to(old.dtype), m, n),
+            "ratio_mean": _masked_mean(ratio_BT, m, n),
+            "ratio_min": ratio_min,
+            "ratio_max": ratio_max,
+            "imp_weight_mean": _masked_mean(weight_BT, m, n),
+            "imp_weight_min": w_min,
+            "imp_weight_max": w_max,
+            "cap_masked_frac": _masked_mean((m & ~keep).to(old.dtype), m, n),
+            "approx_kl": _masked_mean(delta_BT.exp() - 1 - delta_BT, m, n),
+        }
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def kl_penalty(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, kind: KLKind) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy, clamped to
+    [-KL_CLAMP, KL_CLAMP] (no gradient past the clamp). With d = logp - ref_logp: k1 = d,
+    k2 = d^2 / 2, k3 = exp(-d) - 1 + d (unbiased and >= 0). As a loss term:
+    `kl_coef * aggregate(kl_penalty(...), mask_BT, agg)`; as a reward: `-kl_coef * kl` per token."""
+    d_BT = logp_BT - ref_logp_BT.detach()
+    if kind == "k1":
+        kl_BT = d_BT
+    elif kind == "k2":
+        kl_BT = 0.5 * d_BT.square()
+    elif kind == "k3":
+        kl_BT = torch.exp(-d_BT) - 1 + d_BT
+    else:
+        raise ValueError(f"unknown KL estimator {kind!r}: use k1, k2 or k3")
+    return kl_BT.clamp(-KL_CLAMP, KL_CLAMP)
+
+
+def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per position, in at least float32 (pass logits / temperature
+    for the sampled distribution). Stable for large finite logits: uses log_softmax."""
+    x = logits_BTV.to(torch.promote_types(logits_BTV.dtype, torch.float32))
+    logp_BTV = torch.log_softmax(x, dim=-1)
+    return -(logp_BTV.exp() * logp_BTV).sum(-1)
+
+
+def value_loss(
+    values_BT: torch.Tensor,
+    old_values_BT: torch.Tensor,
+    returns_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    value_clip: float | None,
+    agg: AggMode = "token_mean",
+    norm_len: float | None = None,
+    normalizer: float | None = None,
+    seq_index_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO critic loss (AReaL's `ppo_critic_loss_fn`, MSE form):
+    `max((V - R)^2 / 2, (V_old + clip(V - V_old, -value_clip, value_clip) - R)^2 / 2)` per token,
+    or just the first term when value_clip is None. Stats: value_clip_frac (the clipped term is
+    larger), value_mean, returns_mean."""
+    check_bt_shapes(values_BT=values_BT, old_values_BT=old_values_BT, returns_BT=returns_BT)
+    old, ret = old_values_BT.detach(), returns_BT.detach()
+    loss_BT = 0.5 * (values_BT - ret).square()
+    clipped_BT = torch.zeros_like(mask_BT, dtype=torch.bool)
+    if value_clip is not None:
+        v_clipped_BT = old + (values_BT - old).clamp(-value_clip, value_clip)
+        loss_clipped_BT = 0.5 * (v_clipped_BT - ret).square()
+        clipped_BT = loss_clipped_BT.detach() > loss_BT.detach()
+        loss_BT = torch.maximum(loss_BT, loss_clipped_BT)
+    loss = aggregate(
+        loss_BT, mask_BT, agg, norm_len=norm_len, normalizer=normalizer, seq_index_BT=seq_index_BT
+    )
+    with torch.no_grad():
+        m = mask_BT.bool()
+        n = m.sum().clamp(min=1)
+        stats = {
+            "value_clip_frac": _masked_mean(clipped_BT.to(old.dtype), m, n),
+            "value_mean": _masked_mean(values_BT.detach(), m, n),
+            "returns_mean": _masked_mean(ret, m, n),
+        }
+    return loss, stats
