@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, and_, exists, or_, select, update
+from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
 
 from store.db import Database, utcnow
 from store.errors import LeaseLostError, NotFoundError
@@ -151,3 +151,40 @@ async def release(db: Database, session_ids: list[str], *, owner: str) -> None:
             )
             .values(train_state=TrainState.PENDING.value, lease_owner=None, lease_expires_at=None)
         )
+
+
+async def settle_consumed(db: Database, session_ids: list[str], *, step: int) -> int:
+    """Recovery after a crash: mark these sessions consumed at `step` whatever their lease, unless
+    already consumed. A trainer that resumes from checkpoint `step` calls it with the sessions that
+    checkpoint recorded, so a crash between saving a checkpoint and `mark_consumed` cannot train
+    them twice. Returns how many changed."""
+    ids = sorted(set(session_ids))
+    if not ids:
+        return 0
+    async with db.write() as s:
+        result = await s.execute(
+            update(SessionRow)
+            .where(SessionRow.id.in_(ids), SessionRow.train_state != TrainState.CONSUMED.value)
+            .values(
+                train_state=TrainState.CONSUMED.value,
+                consumed_step=step,
+                lease_owner=None,
+                lease_expires_at=None,
+            )
+        )
+        return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+
+async def run_counts(db: Database, run_id: str) -> tuple[int, int]:
+    """(active, ended) sessions of a run: the running and finished trajectories that staleness
+    admission counts."""
+    async with db.read() as s:
+        active = await s.scalar(
+            select(func.count()).where(SessionRow.run_id == run_id, SessionRow.ended_at.is_(None))
+        )
+        ended = await s.scalar(
+            select(func.count()).where(
+                SessionRow.run_id == run_id, SessionRow.ended_at.is_not(None)
+            )
+        )
+    return int(active or 0), int(ended or 0)

@@ -177,6 +177,15 @@ class Store:
         every one is still leased by `owner`; NotFoundError for unknown ids."""
         await queue.mark_consumed(self._db, session_ids, owner=owner, step=step)
 
+    async def settle_consumed(self, session_ids: list[str], *, step: int) -> int:
+        """Crash recovery: mark these sessions consumed at `step` whatever their lease (unless
+        already consumed); returns how many changed."""
+        return await queue.settle_consumed(self._db, session_ids, step=step)
+
+    async def run_counts(self, run_id: str) -> tuple[int, int]:
+        """(active, ended) sessions of the run."""
+        return await queue.run_counts(self._db, run_id)
+
     async def release(self, session_ids: list[str], *, owner: str) -> None:
         """Return the sessions leased by `owner` to the queue; others are left as they are."""
         await queue.release(self._db, session_ids, owner=owner)

@@ -1,0 +1,74 @@
+"""The training-backend seam: what the training loop asks of FSDP (now) or Megatron (later).
+
+A backend owns the policy's weights, optimizer and LR schedule, possibly sharded over many
+processes. Every rank calls every method with the same arguments (the full batch); the backend
+splits the work among ranks itself. Losses are callbacks so that algorithms stay pure functions
+(`trainer/algorithms/`) and know nothing of packing, ranks or devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from trainer.batch import MicroBatch, TrainSequence
+
+LossFn = Callable[[torch.Tensor, MicroBatch, float], tuple[torch.Tensor, Mapping[str, float]]]
+"""`loss_fn(logp_1T, mb, normalizer) -> (loss, stats)`.
+
+`logp_1T` is the current policy's float32 logprob of each shifted target of `mb` (with grad).
+`normalizer` is the caller's `global_norm` for the whole batch (e.g. its number of trained tokens
+over all ranks), and the loss is the micro-batch's sum divided by it, so that the micro-batch losses
+of all ranks add up to the full-batch loss and gradient accumulation and data parallelism give the
+gradient of one big batch. Stats are means over the micro-batch's trained tokens; the backend
+averages them over micro-batches and ranks weighted by trained-token counts.
+"""
+
+
+class TrainBackend(Protocol):
+    """A trainable policy. `step` counts optimizer steps taken (restored by `load`)."""
+
+    step: int
+
+    def forward_logprobs(
+        self, seqs: Sequence[TrainSequence], temperature: float, *, token_budget: int = 8192
+    ) -> list[list[float]]:
+        """Logprob of every token under the current weights, without grad (the proximal or
+        reference pass): entry t of sequence i is `log_softmax(logits[t-1] / temperature)[tok_t]`,
+        and entry 0 is 0. Every rank gets the full result."""
+        ...
+
+    def train_step(
+        self,
+        seqs: Sequence[TrainSequence],
+        loss_fn: LossFn,
+        *,
+        temperature: float,
+        token_budget: int,
+        global_norm: float,
+    ) -> dict[str, float]:
+        """One optimizer step on `seqs`: pack into micro-batches of `token_budget` tokens, call
+        `loss_fn(logp_1T, mb, global_norm)` on each and accumulate gradients, clip the grad norm
+        (the backend's `grad_clip`), step the optimizer and the LR schedule. `global_norm` is the
+        loss normaliser of the whole batch (see `LossFn`); it must be positive.
+
+        Returns the stats of `loss_fn` averaged over all ranks, plus `loss` (the summed loss of
+        every micro-batch: the full-batch loss), `grad_norm` (before clipping) and `lr` (used by
+        this step); these three names are the backend's and override stats of the same name.
+        """
+        ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded weights with Hugging Face names on CPU on rank 0; {} on other ranks."""
+        ...
+
+    def save(self, path: str | Path) -> None:
+        """Writes model, optimizer, LR schedule and step into directory `path` (all ranks call)."""
+        ...
+
+    def load(self, path: str | Path) -> None:
+        """Restores what `save` wrote, so that training continues exactly as without a restart."""
+        ...

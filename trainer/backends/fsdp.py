@@ -1,0 +1,327 @@
+"""The FSDP2 training backend: a Hugging Face causal LM sharded with `fully_shard`.
+
+One process or many under `torchrun` (gloo on CPU, NCCL on CUDA). Without torchrun it forms a
+process group of one, so a single process runs the same sharded code path as many.
+
+Data parallelism. Every rank is called with the full batch and takes its share: sequences sorted
+longest first (ties by index), rank r taking every W-th from r. Each rank packs its share into
+token-budget micro-batches, and ranks with fewer micro-batches than the busiest one run empty
+forward/backward passes so that FSDP's collectives line up (every rank can plan every rank's
+micro-batches, so this needs no communication). The loss callback divides by a normaliser of the
+whole batch; FSDP averages gradients over ranks, so each rank scales its loss by W to turn that
+average into the sum the global normaliser expects. One process and W processes therefore compute
+the same gradient up to float summation order.
+
+Checkpoints are torch.distributed.checkpoint (DCP) directories of model and optimizer state
+(resharded on load, so the world size may change) plus `trainer_state.json` with the step and the
+LR schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from trainer.backends.base import LossFn
+from trainer.batch import (
+    TrainSequence,
+    pack,
+    plan_micro_batches,
+    token_logprobs,
+    unpack_token_values,
+)
+
+MixedPrecision = Literal["fp32", "bf16"]
+Schedule = Literal["constant", "linear", "cosine"]
+
+_T = TypeVar("_T")
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+"""Step and LR-schedule state, beside the DCP files of a checkpoint directory."""
+
+
+@dataclass(frozen=True)  # no slots: LambdaLR checkpoints a schedule object's __dict__
+class LRSchedule:
+    """LR multiplier after `step` optimizer steps: linear warmup from 1/warmup_steps to 1 over
+    `warmup_steps`, then `constant`, or `linear`/`cosine` decay to 0 at `total_steps`."""
+
+    kind: Schedule
+    warmup_steps: int
+    total_steps: int
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return 1.0
+        progress = min(
+            1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        )
+        if self.kind == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def init_distributed(device_type: str) -> tuple[int, int]:
+    """Joins (or forms) the default process group and returns (rank, world size).
+
+    Under torchrun (RANK and WORLD_SIZE set) it joins the launched group; otherwise it forms a group
+    of one from an in-memory store. An existing default group is reused.
+    """
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            store = dist.HashStore()  # type: ignore[attr-defined]
+            dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The full value of a possibly sharded tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class FSDPBackend:
+    """A `TrainBackend` over FSDP2. Every rank constructs it with the same arguments."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float = 1.0,
+        warmup_steps: int = 0,
+        total_steps: int = 1,
+        schedule: Schedule = "constant",
+        mixed_precision: MixedPrecision = "fp32",
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        if lr <= 0 or total_steps < 1 or warmup_steps < 0:
+            raise ValueError("lr must be positive, total_steps >= 1 and warmup_steps >= 0")
+        if mixed_precision not in ("fp32", "bf16"):
+            raise ValueError(f"mixed_precision must be fp32 or bf16, not {mixed_precision!r}")
+        cuda = torch.cuda.is_available()
+        if mixed_precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
+            raise ValueError("this GPU has no bfloat16 support: use mixed_precision fp32")
+
+        device_type = "cuda" if cuda else "cpu"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        self.rank, self.world_size = init_distributed(device_type)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        )
+        torch.manual_seed(seed)  # for models whose config enables dropout
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
+        )
+        model.config.use_cache = False
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+
+        mesh = init_device_mesh(device_type, (self.world_size,))
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mixed_precision == "bf16"
+            else MixedPrecisionPolicy()
+        )
+        # One FSDP unit per decoder layer (the classes HF says must not be split), then the rest.
+        layer_classes = set(model._no_split_modules or ())
+        for module in model.modules():
+            if type(module).__name__ in layer_classes:
+                fully_shard(module, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self.model = model
+
+        self.grad_clip = grad_clip
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
+        )
+        self.schedule = LRSchedule(schedule, warmup_steps, total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
+        self.step = 0
+
+    # -- data parallelism ------------------------------------------------------------------------
+
+    def _shards(self, seqs: Sequence[TrainSequence]) -> list[list[int]]:
+        """Indices into `seqs` that each rank trains on."""
+        order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i]), i))
+        return [order[r :: self.world_size] for r in range(self.world_size)]
+
+    def _micro_batch_count(self, seqs: Sequence[TrainSequence], token_budget: int) -> int:
+        """Micro-batches of the busiest rank: the number of passes every rank runs."""
+        return max(
+            len(plan_micro_batches([len(seqs[i]) for i in shard], token_budget))
+            for shard in self._shards(seqs)
+        )
+
+    def _forward(self, input_ids_1T: torch.Tensor, position_ids_1T: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids_1T, position_ids=position_ids_1T, use_cache=False)
+        logits: torch.Tensor = out.logits
+        return logits
+
+    def _empty_pass(self, backward: bool) -> None:
+        """A one-token pass that changes nothing, so this rank joins FSDP's collectives."""
+        one = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
+        logits = self._forward(one, one)
+        if backward:
+            torch.autograd.backward(logits.sum() * 0.0)
+
+    def _gather(self, obj: _T) -> list[_T]:
+        """`obj` of every rank (a small picklable value), in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    # -- the TrainBackend protocol ---------------------------------------------------------------
+
+    def forward_logprobs(
+        self, seqs: Sequence[TrainSequence], temperature: float, *, token_budget: int = 8192
+    ) -> list[list[float]]:
+        ids = self._shards(seqs)[self.rank]
+        micro = pack([seqs[i] for i in ids], token_budget)
+        results: dict[int, list[float]] = {}
+        self.model.eval()
+        with torch.no_grad():
+            for k in range(self._micro_batch_count(seqs, token_budget)):
+                if k >= len(micro):
+                    self._empty_pass(backward=False)
+                    continue
+                mb = micro[k].to(self.device)
+                logits = self._forward(mb.input_ids_1T, mb.position_ids_1T)
+                logp_1T = token_logprobs(logits, mb.targets_1T, temperature)
+                for j, values in zip(mb.seq_ids, unpack_token_values(logp_1T, mb), strict=True):
+                    results[ids[j]] = values
+        for part in self._gather(results):
+            results |= part
+        return [results[i] for i in range(len(seqs))]
+
+    def train_step(
+        self,
+        seqs: Sequence[TrainSequence],
+        loss_fn: LossFn,
+        *,
+        temperature: float,
+        token_budget: int,
+        global_norm: float,
+    ) -> dict[str, float]:
+        if not seqs:
+            raise ValueError("train_step needs at least one sequence")
+        if global_norm <= 0:
+            raise ValueError(f"global_norm must be positive, got {global_norm}")
+        mine = [seqs[i] for i in self._shards(seqs)[self.rank]]
+        micro = pack(mine, token_budget)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        records: list[tuple[int, float, dict[str, float]]] = []
+        for k in range(self._micro_batch_count(seqs, token_budget)):
+            if k >= len(micro):
+                self._empty_pass(backward=True)
+                continue
+            mb = micro[k].to(self.device)
+            logits = self._forward(mb.input_ids_1T, mb.position_ids_1T)
+            logp_1T = token_logprobs(logits, mb.targets_1T, temperature)
+            loss, stats = loss_fn(logp_1T, mb, global_norm)
+            # FSDP averages gradients over ranks; the global normaliser wants their sum.
+            torch.autograd.backward(loss * self.world_size)
+            values = {key: float(v) for key, v in stats.items()}
+            records.append((mb.num_loss_tokens, float(loss.detach()), values))
+
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = float(_local(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        # A non-finite norm skips the update (the weights stay usable); the step still counts.
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            log.warning("step %d: grad norm is %s; skipping the update", self.step, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+
+        gathered = [r for part in self._gather(records) for r in part]
+        return _merge_stats(gathered) | {"grad_norm": grad_norm, "lr": lr}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))
+
+    def save(self, path: str | Path) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        if self.rank == 0:
+            state = {"step": self.step, "schedule": asdict(self.schedule)}
+            state["scheduler"] = {
+                k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"
+            }
+            (Path(path) / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        dist.barrier()
+
+    def load(self, path: str | Path) -> None:
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+        if state["schedule"] != asdict(self.schedule):
+            raise ValueError(
+                f"checkpoint {path} was saved with LR schedule {state['schedule']}; this backend "
+                f"has {asdict(self.schedule)}: construct it with the same schedule settings"
+            )
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        loaded: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        dcp_load(loaded, checkpoint_id=str(path))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=loaded["model"],
+            optim_state_dict=loaded["optim"],
+        )
+        self.scheduler.load_state_dict(state["scheduler"] | {"lr_lambdas": [None]})
+        self.step = int(state["step"])
+
+
+def _merge_stats(records: Sequence[tuple[int, float, Mapping[str, float]]]) -> dict[str, float]:
+    """`loss` summed over micro-batches; every other stat averaged, weighted by trained tokens
+    (plainly where no micro-batch that has it trained any token)."""
+    merged: dict[str, float] = {"loss": sum(loss for _, loss, _ in records)}
+    keys = {k for _, _, stats in records for k in stats} - {"loss"}
+    for key in sorted(keys):
+        pairs = [(w, stats[key]) for w, _, stats in records if key in stats]
+        total = sum(w for w, _ in pairs)
+        if total:
+            merged[key] = sum(w * v for w, v in pairs) / total
+        else:
+            merged[key] = sum(v for _, v in pairs) / len(pairs)
+    return merged

@@ -1,0 +1,286 @@
+"""Training sequences, their packing into token-budget micro-batches, and token logprobs.
+
+A `TrainSequence` is one trajectory segment as the trainer sees it: token ids plus per-token
+arrays, all indexed by token (the value for token t sits at index t). `pack` puts whole sequences
+into micro-batches of one packed row each (first-fit-decreasing under a token budget): no padding,
+so no compute is wasted on pad tokens.
+
+**Packed forward.** Each sequence's `position_ids` restart at 0 and no attention mask is passed.
+transformers (5.x, `masking_utils.find_packed_sequence_indices`) then reads every position reset as
+a sequence boundary and builds a block-diagonal causal mask for the eager and sdpa kernels, so
+each sequence gets exactly the logits it would get alone. The model must be called with
+`use_cache=False`: with a cache the reset detection is skipped. `tests/unit/test_batch.py` holds
+this to 1e-5. (flash-attention turns the same resets into varlen `cu_seqlens`; that path needs a
+GPU and is not exercised here.)
+
+**Shifted alignment.** The logits at row position i predict the token at i + 1, so a micro-batch
+stores everything "by predicting position": `targets_1T[i]` is the next token of the same sequence,
+and `loss_mask_1T`, `behav_logp_1T`, `advantages_1T`, ... at i are the sequence's values for that
+next token. The last position of each sequence predicts nothing: target 0, mask False, values 0
+(versions -1). Hence `token_logprobs(logits_1TV, targets_1T)` at i is the logprob of token i + 1,
+and `unpack_token_values` turns a row of such values back into per-token lists (0 at token 0).
+A sequence's first token has no logprob, so `TrainSequence` requires `loss_mask[0] == 0`.
+"""
+
+# Shape-suffixed field names (`input_ids_1T`) are our convention, as pyproject's N803/N806 say.
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSequence:
+    """One sequence to train on. Invariants (checked): every array has the length of `tokens`
+    (at least 1), `loss_mask` is 0/1 with `loss_mask[0] == 0`, and per-token values are meant to be
+    0 where the mask is 0 (versions -1)."""
+
+    tokens: list[int]
+    """Token ids: prompt, sampled and tool/user tokens of one segment."""
+    loss_mask: list[int]
+    """1 on sampled (trained) tokens, 0 elsewhere."""
+    behav_logprobs: list[float]
+    """Behaviour logprob of token t under the engine that sampled it; 0 where the mask is 0."""
+    advantages: list[float]
+    """Per-token advantage; 0 where the mask is 0."""
+    versions: list[int]
+    """Policy version that sampled token t; -1 where the mask is 0."""
+    ref_logprobs: list[float] | None = None
+    """Reference-policy logprob of token t (for a KL term), if computed."""
+    prox_logprobs: list[float] | None = None
+    """Proximal-policy logprob of token t (decoupled PPO), if computed."""
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if n == 0:
+            raise ValueError("a TrainSequence needs at least one token")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"{f.name} has {len(value)} entries; tokens has {n}")
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("loss_mask must hold only 0 and 1")
+        if self.loss_mask[0]:
+            raise ValueError("loss_mask[0] must be 0: the first token has no logprob to train")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MicroBatch:
+    """Whole sequences packed into one row (batch dim 1, T = sum of `seq_lens`).
+
+    All `*_1T` tensors have shape [1, T]. Per-token training values are shifted (module
+    docstring): entry i belongs to the token at i + 1 of the same sequence, and the last position of
+    every sequence is empty (mask False, value 0, version -1, target 0).
+    """
+
+    input_ids_1T: torch.Tensor
+    """int64 token ids of the sequences, concatenated."""
+    position_ids_1T: torch.Tensor
+    """int64 positions, restarting at 0 at each sequence start."""
+    seq_index_1T: torch.Tensor
+    """int64 index (0..n-1, into `seq_lens`) of the sequence each position belongs to."""
+    targets_1T: torch.Tensor
+    """int64 next token of the same sequence (0 at each sequence's last position)."""
+    loss_mask_1T: torch.Tensor
+    """bool: the target at i is a trained (sampled) token."""
+    behav_logp_1T: torch.Tensor
+    """float32 behaviour logprob of the target."""
+    advantages_1T: torch.Tensor
+    """float32 advantage of the target."""
+    versions_1T: torch.Tensor
+    """int64 policy version of the target (-1 where untrained)."""
+    ref_logp_1T: torch.Tensor | None
+    """float32 reference logprob of the target, when every packed sequence has one."""
+    prox_logp_1T: torch.Tensor | None
+    """float32 proximal logprob of the target, when every packed sequence has one."""
+    seq_lens: tuple[int, ...]
+    """Length of each packed sequence, in row order."""
+    seq_ids: tuple[int, ...]
+    """Index of each packed sequence in the list given to `pack`."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask_1T.sum())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """The same micro-batch with every tensor on `device`."""
+        moved: dict[str, Any] = {
+            f.name: v.to(device)
+            for f in fields(self)
+            if isinstance(v := getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """First-fit-decreasing bin packing of sequence `lengths` into bins of `token_budget` tokens.
+
+    Returns bins of indices into `lengths`; each index appears exactly once. Sequences are placed
+    longest first (ties by index) into the first bin with room; one longer than the budget gets a
+    bin of its own. Deterministic, so every data-parallel rank can plan every rank's batches.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be positive, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(token_budget - n)
+    return bins
+
+
+def pack(seqs: Sequence[TrainSequence], token_budget: int) -> list[MicroBatch]:
+    """Packs `seqs` into micro-batches of at most `token_budget` tokens (a longer sequence is
+    alone in its own), following `plan_micro_batches`."""
+    return [
+        _pack_row(seqs, ids) for ids in plan_micro_batches([len(s) for s in seqs], token_budget)
+    ]
+
+
+def _shifted(values: Sequence[float] | Sequence[int], fill: float | int) -> list[float | int]:
+    """Per-token values moved to their predicting position: [v1, v2, ..., v_{L-1}, fill]."""
+    return [*values[1:], fill]
+
+
+def _pack_row(seqs: Sequence[TrainSequence], ids: Sequence[int]) -> MicroBatch:
+    chosen = [seqs[i] for i in ids]
+    cols: dict[str, list[float | int]] = {
+        k: [] for k in ("input", "pos", "seq", "tgt", "mask", "behav", "adv", "ver")
+    }
+    has_ref = all(s.ref_logprobs is not None for s in chosen)
+    has_prox = all(s.prox_logprobs is not None for s in chosen)
+    ref: list[float | int] = []
+    prox: list[float | int] = []
+    for j, s in enumerate(chosen):
+        cols["input"] += s.tokens
+        cols["pos"] += range(len(s))
+        cols["seq"] += [j] * len(s)
+        cols["tgt"] += _shifted(s.tokens, 0)
+        cols["mask"] += _shifted(s.loss_mask, 0)
+        cols["behav"] += _shifted(s.behav_logprobs, 0.0)
+        cols["adv"] += _shifted(s.advantages, 0.0)
+        cols["ver"] += _shifted(s.versions, -1)
+        if has_ref and s.ref_logprobs is not None:
+            ref += _shifted(s.ref_logprobs, 0.0)
+        if has_prox and s.prox_logprobs is not None:
+            prox += _shifted(s.prox_logprobs, 0.0)
+
+    def row(values: list[float | int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).unsqueeze(0)
+
+    return MicroBatch(
+        input_ids_1T=row(cols["input"], torch.int64),
+        position_ids_1T=row(cols["pos"], torch.int64),
+        seq_index_1T=row(cols["seq"], torch.int64),
+        targets_1T=row(cols["tgt"], torch.int64),
+        loss_mask_1T=row(cols["mask"], torch.bool),
+        behav_logp_1T=row(cols["behav"], torch.float32),
+        advantages_1T=row(cols["adv"], torch.float32),
+        versions_1T=row(cols["ver"], torch.int64),
+        ref_logp_1T=row(ref, torch.float32) if has_ref else None,
+        prox_logp_1T=row(prox, torch.float32) if has_prox else None,
+        seq_lens=tuple(len(s) for s in chosen),
+        seq_ids=tuple(ids),
+    )
+
+
+def unpack_token_values(values_1T: torch.Tensor, mb: MicroBatch) -> list[list[float]]:
+    """Splits a row of shifted values (e.g. `token_logprobs` output) into per-sequence lists in
+    token order: entry t is the value for token t, and entry 0 (no predicting position) is 0."""
+    flat = values_1T.reshape(-1).tolist()
+    out: list[list[float]] = []
+    start = 0
+    for n in mb.seq_lens:
+        out.append([0.0, *flat[start : start + n - 1]])
+        start += n
+    return out
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log_softmax(logits / temperature) at the targets, a chunk of positions at a time.
+
+    Neither pass materialises a float32 copy of the whole [T, V] logits: forward keeps only the
+    [T] logsumexp, and backward recomputes the softmax chunk by chunk.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        logits_TV: torch.Tensor,
+        targets_T: torch.Tensor,
+        temperature: float,
+        chunk: int,
+    ) -> torch.Tensor:
+        dtype = torch.promote_types(logits_TV.dtype, torch.float32)
+        lse_T = torch.empty(logits_TV.shape[0], dtype=dtype, device=logits_TV.device)
+        logp_T = torch.empty_like(lse_T)
+        for s in range(0, logits_TV.shape[0], chunk):
+            scaled = logits_TV[s : s + chunk].to(dtype) / temperature
+            lse_T[s : s + chunk] = torch.logsumexp(scaled, dim=-1)
+            picked = scaled.gather(-1, targets_T[s : s + chunk, None]).squeeze(-1)
+            logp_T[s : s + chunk] = picked - lse_T[s : s + chunk]
+        ctx.save_for_backward(logits_TV, targets_T, lse_T)
+        ctx.temperature = temperature  # type: ignore[attr-defined]
+        ctx.chunk = chunk  # type: ignore[attr-defined]
+        return logp_T
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_T: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None]:
+        logits_TV, targets_T, lse_T = ctx.saved_tensors  # type: ignore[attr-defined]
+        temperature: float = ctx.temperature  # type: ignore[attr-defined]
+        chunk: int = ctx.chunk  # type: ignore[attr-defined]
+        grad_TV = torch.empty_like(logits_TV)
+        for s in range(0, logits_TV.shape[0], chunk):
+            g_T = grad_T[s : s + chunk].to(lse_T.dtype)
+            probs = torch.exp(
+                logits_TV[s : s + chunk].to(lse_T.dtype) / temperature - lse_T[s : s + chunk, None]
+            )
+            # d logp / d logits = (onehot(target) - softmax) / temperature
+            g_TV = -probs * g_T[:, None]
+            g_TV.scatter_add_(-1, targets_T[s : s + chunk, None], g_T[:, None])
+            grad_TV[s : s + chunk] = g_TV / temperature
+        return grad_TV, None, None, None
+
+
+def token_logprobs(
+    logits_1TV: torch.Tensor, targets_1T: torch.Tensor, temperature: float = 1.0, chunk: int = 1024
+) -> torch.Tensor:
+    """`log_softmax(logits / temperature)` gathered at `targets`, shape [1, T], computed and
+    returned in float32 (float64 for float64 logits).
+
+    Differentiable, and memory-light for large vocabularies (see `_TokenLogprobs`). With the
+    shifted targets of a `MicroBatch`, entry i is the logprob of the token at i + 1.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    b, t, v = logits_1TV.shape
+    logp_T = _TokenLogprobs.apply(  # type: ignore[no-untyped-call]
+        logits_1TV.reshape(b * t, v), targets_1T.reshape(b * t), temperature, chunk
+    )
+    assert isinstance(logp_T, torch.Tensor)
+    return logp_T.reshape(b, t)
