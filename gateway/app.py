@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engines.base import Engine
+from gateway.admission import Admission
 from gateway.chat import ChatService
 from gateway.chat_render import ChatRenderer
 from gateway.completions import CompletionService
@@ -49,6 +50,7 @@ class Gateway:
     recorder: Recorder
     chat: ChatService
     completions: CompletionService
+    admission: Admission
 
     @property
     def store(self) -> Store:
@@ -69,6 +71,7 @@ def build_gateway(settings: GatewaySettings, c: Components) -> Gateway:
         recorder=recorder,
         chat=ChatService(c.engine, renderer, recorder, c.model_name),
         completions=CompletionService(c.engine, renderer, recorder, c.model_name),
+        admission=Admission(c.store),
     )
 
 
@@ -146,17 +149,29 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-def create_app(settings: GatewaySettings, components: Components | None = None) -> FastAPI:
-    from gateway.routes import openai, runs, sessions
+def create_app(
+    settings: GatewaySettings, components: Components | None = None, train: Any = None
+) -> FastAPI:
+    """`train` (a `trainer.config.TrainConfig`) runs the trainer in this process, publishing each
+    new policy straight into the local engine (`rlgateway serve --train`)."""
+    from gateway.routes import admin, openai, runs, sessions
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = components is None
         c = components if components is not None else await load_components(settings)
         app.state.gateway = build_gateway(settings, c)
+        embedded = None
+        if train is not None:
+            from gateway.embedded import EmbeddedTrainer
+
+            embedded = await EmbeddedTrainer.start(train, c, settings)
+        app.state.trainer = embedded
         try:
             yield
         finally:
+            if embedded is not None:
+                await embedded.stop()
             if owned:
                 await c.engine.close()
                 await c.store.close()
@@ -170,6 +185,7 @@ def create_app(settings: GatewaySettings, components: Components | None = None) 
     app.include_router(openai.router)
     app.include_router(runs.router)
     app.include_router(sessions.router)
+    app.include_router(admin.router)
 
     @app.get("/health", include_in_schema=False)
     async def health(gw: GatewayDep) -> dict[str, Any]:

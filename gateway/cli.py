@@ -83,6 +83,29 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     serve.add_argument("--max-batch", type=int, help="sequences decoded together (default 64)")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    serve.add_argument(
+        "--train", action="store_true", help="also run the trainer in this process (embedded)"
+    )
+    serve.add_argument("--config", help="run config (YAML) for --train")
+    serve.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="run config overrides for --train"
+    )
+
+
+def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    train = sub.add_parser(
+        "train",
+        help="train a run's trajectories (PPO family, FSDP2) and publish weights to a gateway",
+        description="Claim finished, rewarded trajectories of a run from the store, train, "
+        "checkpoint, and publish each new policy to the gateway (POST /admin/weights). Run it "
+        "under torchrun for many processes. Resumes from the newest checkpoint.",
+    )
+    train.add_argument("--config", help="run config (YAML); see trainer/config.py")
+    train.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="overrides, e.g. optim.lr=1e-5 eta=2"
+    )
+    train.add_argument("--gateway-url", help="publish weights to this gateway (default: none)")
+    train.add_argument("--admin-token", help="the gateway's admin token (or RLGATEWAY_ADMIN_TOKEN)")
 
 
 def _add_db_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -110,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_parser(sub)
     _add_generate_parser(sub)
     _add_serve_parser(sub)
+    _add_train_parser(sub)
     _add_db_parser(sub)
     return parser
 
@@ -138,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gateway.commands.serve import run_serve
 
             return run_serve(args)
+        if args.command == "train":
+            from gateway.commands.train import run_train
+
+            return run_train(args)
         if args.command == "db":
             from gateway.commands.db import run_db
 

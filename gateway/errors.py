@@ -18,6 +18,7 @@ from engines.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     PromptTooLongError,
+    WeightUpdateError,
 )
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ def translate(exc: Exception) -> GatewayError:
         return err
     if isinstance(exc, InvalidRequestError):
         return BadRequest(str(exc))
+    if isinstance(exc, WeightUpdateError):
+        return Conflict(f"the weights were not loaded: {exc}")
     if isinstance(exc, EngineUnavailableError):
         return Unavailable(f"the inference engine is unavailable: {exc}")
     if isinstance(exc, NotFoundError):

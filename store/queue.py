@@ -176,15 +176,20 @@ async def settle_consumed(db: Database, session_ids: list[str], *, step: int) ->
 
 
 async def run_counts(db: Database, run_id: str) -> tuple[int, int]:
-    """(active, ended) sessions of a run: the running and finished trajectories that staleness
-    admission counts."""
+    """(running, accepted) trajectories of a run, as staleness admission counts them: active
+    sessions, and ended sessions holding a reward that were not dropped by the trainer (stale or
+    filtered ones are settled at step -1)."""
+    rewarded = exists().where(RewardRow.session_id == SessionRow.id)
     async with db.read() as s:
-        active = await s.scalar(
+        running = await s.scalar(
             select(func.count()).where(SessionRow.run_id == run_id, SessionRow.ended_at.is_(None))
         )
-        ended = await s.scalar(
+        accepted = await s.scalar(
             select(func.count()).where(
-                SessionRow.run_id == run_id, SessionRow.ended_at.is_not(None)
+                SessionRow.run_id == run_id,
+                SessionRow.ended_at.is_not(None),
+                rewarded,
+                or_(SessionRow.consumed_step.is_(None), SessionRow.consumed_step >= 0),
             )
         )
-    return int(active or 0), int(ended or 0)
+    return int(running or 0), int(accepted or 0)

@@ -183,7 +183,8 @@ class Store:
         return await queue.settle_consumed(self._db, session_ids, step=step)
 
     async def run_counts(self, run_id: str) -> tuple[int, int]:
-        """(active, ended) sessions of the run."""
+        """(running, accepted) trajectories of the run, for staleness admission: active
+        sessions, and ended rewarded ones the trainer did not drop."""
         return await queue.run_counts(self._db, run_id)
 
     async def release(self, session_ids: list[str], *, owner: str) -> None:

@@ -41,6 +41,17 @@ def run_serve(args: argparse.Namespace) -> int:
             f"{settings.model} is not a Hugging Face model directory (no config.json): "
             "build one with `rlgateway model tiny DIR` or leave --model out for the tiny model"
         )
+    train = None
+    if args.train:
+        from trainer.config import load_config
+
+        try:
+            train = load_config(args.config, args.overrides)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from exc
+        train = train.model_copy(update={"database_url": settings.database_url})
+    elif args.config or args.overrides:
+        raise CLIError("--config and KEY=VALUE overrides go with --train")
     if not settings.admin_token:
         settings.admin_token = f"rlg-admin-{secrets.token_urlsafe(16)}"
         print(f"admin token (set RLGATEWAY_ADMIN_TOKEN to choose one): {settings.admin_token}")
@@ -54,7 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     print(f"rlgateway serving on {settings.base_url()} (store: {_redacted(settings.database_url)})")
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, train=train),
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from gateway.app import GatewayDep
 from gateway.auth import require_admin
+from gateway.errors import BadRequest
 
 router = APIRouter(tags=["runs"])
 
@@ -39,7 +40,24 @@ def run_json(run: Any) -> dict[str, Any]:
 @router.post("/runs", status_code=201)
 async def create_run(gw: GatewayDep, request: Request, body: RunCreate) -> dict[str, Any]:
     require_admin(request, gw.settings.admin_token)
+    validate_run_config(body.config)
     return run_json(await gw.store.create_run(body.name, body.config))
+
+
+def validate_run_config(config: dict[str, Any]) -> None:
+    """A run's config is a training config (`rlgateway train --config`), minus run and store."""
+    from pydantic import ValidationError
+
+    from trainer.config import TrainConfig
+
+    try:
+        TrainConfig.model_validate({**config, "run": "", "database_url": "sqlite:///x"})
+    except (ValidationError, ValueError) as exc:
+        if isinstance(exc, ValidationError):
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]) or "config"
+            raise BadRequest(f"config.{where}: {first['msg']}", param="config") from None
+        raise BadRequest(f"config: {exc}", param="config") from None
 
 
 @router.get("/runs/{run_id}")
@@ -53,9 +71,12 @@ async def create_sessions(
     gw: GatewayDep, request: Request, run_id: str, body: SessionsCreate
 ) -> dict[str, Any]:
     require_admin(request, gw.settings.admin_token)
-    created = await gw.store.create_sessions(
-        run_id, body.count, group_id=body.group_id, metadata=body.metadata
-    )
+    run = await gw.store.get_run(run_id)
+    async with gw.admission.lock(run_id):
+        await gw.admission.check(run, body.count, gw.engine.version())
+        created = await gw.store.create_sessions(
+            run_id, body.count, group_id=body.group_id, metadata=body.metadata
+        )
     base = gw.settings.base_url()
     return {
         "sessions": [

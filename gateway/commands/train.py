@@ -1,0 +1,68 @@
+"""`rlgateway train --config FILE [KEY=VALUE ...]`: the trainer as its own process(es)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+from gateway.cli import CLIError
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from trainer.config import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+    if not cfg.run:
+        raise CLIError("the config names no run: set `run: RUN_ID` (from POST /runs) or run=ID")
+    token = args.admin_token or os.environ.get("RLGATEWAY_ADMIN_TOKEN")
+    if args.gateway_url and not token:
+        raise CLIError(
+            "--gateway-url needs the gateway's admin token: --admin-token or RLGATEWAY_ADMIN_TOKEN"
+        )
+    return asyncio.run(_train(cfg, args.gateway_url, token))
+
+
+async def _train(cfg: object, gateway_url: str | None, token: str | None) -> int:
+    import logging
+
+    from engines.tiny_model import tiny_model_dir
+    from store import Store
+    from store.errors import StoreError
+    from trainer.backends.registry import build_backend
+    from trainer.config import TrainConfig
+    from trainer.loop import Trainer
+    from trainer.publish import DiskPublisher
+
+    assert isinstance(cfg, TrainConfig)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        store = await Store.connect(cfg.database_url)
+    except StoreError as exc:
+        raise CLIError(str(exc)) from exc
+    try:
+        try:
+            await store.get_run(cfg.run)
+        except StoreError as exc:
+            raise CLIError(f"{exc}: create the run with POST /runs first") from exc
+        model_dir = Path(cfg.model) if cfg.model else tiny_model_dir()
+        backend = await asyncio.to_thread(build_backend, cfg.backend_config(str(model_dir)))
+        reference = None
+        if cfg.algorithm_config().kl_coef > 0:
+            reference = await asyncio.to_thread(build_backend, cfg.backend_config(str(model_dir)))
+        publisher = None
+        if gateway_url:
+            assert token is not None
+            weights_dir = Path(cfg.checkpoint_dir) / "published"
+            publisher = DiskPublisher(weights_dir, model_dir, gateway_url, token)
+        trainer = Trainer(cfg, store, backend, publisher, reference=reference)
+        start = await trainer.resume()
+        print(f"training run {cfg.run} from step {start} to {cfg.max_steps}", flush=True)
+        await trainer.run()
+    finally:
+        await store.close()
+    return 0

@@ -1,0 +1,41 @@
+"""Operator endpoints (admin token): the policy version, and loading new weights into the engine
+(what a trainer in another process calls after each step)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from engines.base import WeightUpdate
+from gateway.app import GatewayDep
+from gateway.auth import require_admin
+from gateway.errors import BadRequest
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+
+
+class WeightsIn(BaseModel):
+    path: str
+    """A Hugging Face model directory with the new weights (safetensors)."""
+    version: int | None = Field(None, ge=0)
+    """The policy version these weights are; default current + 1."""
+
+
+@router.get("/version")
+async def version(gw: GatewayDep, request: Request) -> dict[str, Any]:
+    require_admin(request, gw.settings.admin_token)
+    return {"version": gw.engine.version()}
+
+
+@router.post("/weights")
+async def load_weights(gw: GatewayDep, request: Request, body: WeightsIn) -> dict[str, Any]:
+    require_admin(request, gw.settings.admin_token)
+    path = Path(body.path)
+    if not await asyncio.to_thread(path.is_dir):
+        raise BadRequest(f"{path} is not a directory on the gateway's machine", param="path")
+    version = await gw.engine.update_weights(WeightUpdate(path=path, version=body.version))
+    return {"version": version}

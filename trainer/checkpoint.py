@@ -1,0 +1,84 @@
+"""Checkpoints that make training exactly-once across crashes.
+
+`checkpoint_dir/step-000007/` holds the backend's state (model, optimizer, schedule, step) and
+`rlgateway.json`: the step, the policy version it publishes, and the ids of the sessions that step
+trained. It is written to a `.tmp` directory and renamed, so a checkpoint exists whole or not at
+all. The order of a step is: train, save the checkpoint, mark its sessions consumed, publish. A
+trainer killed between saving and marking finds the ids in the newest checkpoint when it resumes
+and settles them as consumed: nothing is trained twice. Killed before saving, the step never
+happened: its sessions return to the queue when their lease expires and are trained later.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.backends.base import TrainBackend
+
+META = "rlgateway.json"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointMeta:
+    step: int
+    consumed: list[str]
+    """Sessions trained by this step."""
+    dropped: list[str]
+    """Sessions left out on purpose (stale, filtered) while forming this step."""
+
+
+def _name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def latest(root: Path) -> tuple[Path, CheckpointMeta] | None:
+    """The newest complete checkpoint under `root`, if any."""
+    if not root.is_dir():
+        return None
+    found = []
+    for d in root.iterdir():
+        meta = d / META
+        if d.name.startswith("step-") and not d.name.endswith(".tmp") and meta.is_file():
+            data = json.loads(meta.read_text())
+            found.append((int(data["step"]), d, data))
+    if not found:
+        return None
+    step, path, data = max(found, key=lambda x: x[0])
+    return path, CheckpointMeta(step, list(data["consumed"]), list(data.get("dropped", [])))
+
+
+def save(
+    root: Path,
+    backend: TrainBackend,
+    meta: CheckpointMeta,
+    *,
+    keep: int,
+    is_writer: bool = True,
+) -> Path:
+    """Write the checkpoint of `meta.step` atomically; keep the newest `keep`."""
+    final = root / _name(meta.step)
+    tmp = root / (_name(meta.step) + ".tmp")
+    if is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    backend.save(tmp)
+    if is_writer:
+        (tmp / META).write_text(
+            json.dumps({"step": meta.step, "consumed": meta.consumed, "dropped": meta.dropped})
+        )
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        steps = sorted(
+            (
+                d
+                for d in root.iterdir()
+                if d.name.startswith("step-") and not d.name.endswith(".tmp")
+            ),
+            key=lambda d: d.name,
+        )
+        for old in steps[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final

@@ -1,0 +1,162 @@
+"""The run config: YAML (or a dict from `POST /runs`) validated into `TrainConfig`.
+
+    rlgateway train --config run.yaml algorithm=dapo optim.lr=1e-5 eta=2
+
+Dotted `key=value` overrides are parsed as YAML scalars and applied before validation. Imports no
+torch, so a bad config fails instantly with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainer.backends.config import FSDPBackendConfig
+
+
+class OptimConfig(BaseModel):
+    """Optimizer and backend settings (the model directory comes from `TrainConfig.model`)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    lr: float = Field(1e-5, ge=0)
+    """Peak AdamW learning rate; 0 trains nothing (a control run)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clip; 0 disables it."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """LR schedule after warmup (decays over `max_steps`)."""
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16 compute with fp32 master weights where the device supports it."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    seed: int = 0
+    """Seed of torch's RNG in every rank."""
+
+
+class TrainConfig(BaseModel):
+    """Everything a training run needs. Every field has a vetted default except `run`."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    run: str = ""
+    """The run to train (its id from `POST /runs`); trajectories are claimed from it."""
+    database_url: str = "sqlite:///rlgateway.db"
+    """The trajectory store the gateway records into."""
+    model: str | None = None
+    """The initial policy (a HF model directory); None means the tiny model."""
+    algorithm: str = "grpo"
+    """A preset: ppo, grpo, dapo, rloo, gspo, dr_grpo, reinforce_pp."""
+    algo: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the preset's knobs (see trainer.algorithms.AlgorithmConfig)."""
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
+    """Optimizer, schedule, precision."""
+    batch_size: int = Field(8, ge=1)
+    """Trajectories (ended, rewarded sessions) per training step: AReaL's B."""
+    group_size: int = Field(1, ge=1)
+    """Sessions per GRPO group (sessions created with one group_id)."""
+    partial_groups: Literal["wait", "drop", "use"] = "wait"
+    """A group with fewer than group_size finished sessions: wait for the rest, drop it, or use
+    what arrived."""
+    eta: int = Field(1, ge=0)
+    """Staleness bound: no token older than `eta` policy versions is trained; 0 is synchronous."""
+    max_concurrent: int | None = Field(None, ge=1)
+    """At most this many active sessions (the gateway answers 429 beyond it); None: no limit."""
+    max_steps: int = Field(100, ge=1)
+    """Training steps (policy versions) to run."""
+    temperature: float = Field(1.0, gt=0)
+    """The sampling temperature of the run's requests: logprobs are log_softmax(logits / T)."""
+    token_budget: int = Field(8192, ge=16)
+    """Tokens per packed micro-batch (gradient accumulation over micro-batches)."""
+    discount: float = Field(1.0, ge=0, le=1)
+    """Per-turn discount gamma of the returns."""
+    max_tokens: int | None = Field(None, ge=1)
+    """The run's max new tokens per turn (for DAPO's overlong shaping and Dr.GRPO's norm_len)."""
+    checkpoint_dir: str = "checkpoints"
+    """Where checkpoints go (one directory per step; resume picks the newest)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk."""
+    lease_seconds: float = Field(600.0, gt=0)
+    """How long claimed trajectories stay leased before returning to the queue."""
+    poll_seconds: float = Field(0.2, gt=0)
+    """How often to look for trainable trajectories while waiting."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under checkpoint_dir/tb."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        self.algorithm_config()  # a bad preset or knob fails at load time
+        if self.batch_size % self.group_size and self.partial_groups == "wait":
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of group_size "
+                f"({self.group_size}) when partial_groups is wait"
+            )
+        return self
+
+    def algorithm_config(self) -> Any:
+        from trainer.algorithms.config import algorithm_config
+
+        overrides = dict(self.algo)
+        if self.max_tokens is not None:
+            overrides.setdefault("norm_len", self.max_tokens)
+        return algorithm_config(self.algorithm, **overrides)
+
+    def backend_config(self, model_dir: str) -> FSDPBackendConfig:
+        o = self.optim
+        return FSDPBackendConfig(
+            model_dir=model_dir,
+            lr=max(o.lr, 1e-30),  # lr 0 is a control run: AdamW with a vanishing step
+            weight_decay=o.weight_decay,
+            grad_clip=o.grad_clip,
+            warmup_steps=o.warmup_steps,
+            total_steps=max(self.max_steps, o.warmup_steps, 1),
+            schedule=o.schedule,
+            mixed_precision=o.mixed_precision,
+            gradient_checkpointing=o.gradient_checkpointing,
+            seed=o.seed,
+        )
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`a.b=value` pairs onto a nested dict; values are parsed as YAML scalars."""
+    out = dict(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not KEY=VALUE (e.g. optim.lr=1e-5)")
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[part] = child
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw)
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML run config (or none: defaults) and apply overrides. Raises ValueError with a
+    message that names the bad field and file."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {p} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{p} must hold a mapping of settings, not {type(loaded).__name__}")
+        data = loaded
+    data = apply_overrides(data, overrides or [])
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "config"
+        raise ValueError(f"{path or 'config'}: {where}: {first['msg']}") from exc

@@ -1,0 +1,281 @@
+"""The asynchronous training loop: claim, filter, advantages, loss, step, checkpoint, publish.
+
+One step:
+1. claim at least `batch_size` finished, rewarded trajectories of the run (whole GRPO groups when
+   `partial_groups` is wait), under a lease;
+2. drop (settle at step -1) those with a token older than `eta` versions, and uniform groups under
+   dynamic sampling;
+3. build training sequences with token advantages; recompute proximal logprobs (decoupled PPO)
+   and reference logprobs (KL) with no grad;
+4. one optimizer step over packed micro-batches;
+5. checkpoint (with the trained session ids), mark them consumed, publish weights as version
+   step + 1 to the engines.
+
+Generation never waits for training: agents keep running against the gateway, whose admission
+control keeps them within `eta` versions of the policy being trained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import statistics
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from store import Store
+from store.types import Trajectory
+from trainer import checkpoint
+from trainer.algorithms.aggregation import loss_normalizer
+from trainer.backends.base import TrainBackend
+from trainer.batch import TrainSequence
+from trainer.config import TrainConfig
+from trainer.loss import make_loss_fn
+from trainer.publish import WeightPublisher
+from trainer.sequences import build_sequences
+
+log = logging.getLogger(__name__)
+
+
+def _group_key(t: Trajectory) -> str:
+    return t.session.group_id if t.session.group_id is not None else f"solo:{t.session.id}"
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        store: Store,
+        backend: TrainBackend,
+        publisher: WeightPublisher | None,
+        *,
+        reference: TrainBackend | None = None,
+        owner: str | None = None,
+        report: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.algo = cfg.algorithm_config()
+        self.store = store
+        self.backend = backend
+        self.reference = reference
+        self.publisher = publisher
+        self.owner = owner or f"trainer-{uuid.uuid4().hex[:12]}"
+        self.report = report or _print_report
+        self.loss_fn = make_loss_fn(self.algo)
+        self.root = Path(cfg.checkpoint_dir)
+        self.metrics_path = self.root / "metrics.jsonl"
+        self._tb: Any = None
+        if self.algo.kl_coef > 0 and reference is None:
+            raise ValueError("kl_coef > 0 needs a reference model: pass `reference`")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def resume(self) -> int:
+        """Load the newest checkpoint (if any), settle its sessions as consumed, and publish its
+        weights so the engines serve the version training continues from. Returns the step."""
+        found = checkpoint.latest(self.root)
+        if found is None:
+            return self.backend.step
+        path, meta = found
+        await asyncio.to_thread(self.backend.load, path)
+        await self.store.settle_consumed(meta.consumed, step=meta.step)
+        await self.store.settle_consumed(meta.dropped, step=-1)
+        if self.publisher is not None:
+            await self.publisher.publish(self.backend.full_state_dict(), self.backend.step)
+        log.info("resumed from %s at step %d", path, self.backend.step)
+        return self.backend.step
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Train until `max_steps` (or `stop` is set)."""
+        while self.backend.step < self.cfg.max_steps:
+            if stop is not None and stop.is_set():
+                return
+            batch = await self._collect(stop)
+            if batch is None:
+                return
+            await self._step(batch)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    async def _collect(self, stop: asyncio.Event | None) -> list[Trajectory] | None:
+        cfg = self.cfg
+        while True:
+            if stop is not None and stop.is_set():
+                return None
+            claimed = await self.store.claim(
+                cfg.run,
+                limit=cfg.batch_size * 4,
+                owner=self.owner,
+                lease_seconds=cfg.lease_seconds,
+                gamma=cfg.discount,
+            )
+            fresh, stale = self._split_stale(claimed)
+            if stale:
+                await self.store.settle_consumed([t.session.id for t in stale], step=-1)
+            chosen, rest, dropped = self._choose(fresh)
+            if dropped:
+                await self.store.settle_consumed([t.session.id for t in dropped], step=-1)
+            if len(chosen) >= cfg.batch_size:
+                if rest:
+                    await self.store.release([t.session.id for t in rest], owner=self.owner)
+                return chosen
+            if chosen or rest:
+                await self.store.release([t.session.id for t in chosen + rest], owner=self.owner)
+            await asyncio.sleep(cfg.poll_seconds)
+
+    def _split_stale(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], list[Trajectory]]:
+        oldest_ok = self.backend.step - self.cfg.eta
+        fresh = [t for t in trajs if t.min_version < 0 or t.min_version >= oldest_ok]
+        stale = [t for t in trajs if not (t.min_version < 0 or t.min_version >= oldest_ok)]
+        return fresh, stale
+
+    def _choose(
+        self, trajs: list[Trajectory]
+    ) -> tuple[list[Trajectory], list[Trajectory], list[Trajectory]]:
+        """(train now, give back, drop) under the partial-group policy; whole groups only,
+        oldest first, at least batch_size trajectories when there are that many."""
+        cfg = self.cfg
+        groups: dict[str, list[Trajectory]] = defaultdict(list)
+        for t in trajs:
+            groups[_group_key(t)].append(t)
+        chosen: list[Trajectory] = []
+        rest: list[Trajectory] = []
+        dropped: list[Trajectory] = []
+        for members in groups.values():
+            complete = len(members) >= cfg.group_size or cfg.partial_groups == "use"
+            if not complete and cfg.partial_groups == "drop":
+                dropped += members
+            elif complete and len(chosen) < cfg.batch_size:
+                chosen += members
+            else:
+                rest += members
+        return chosen, rest, dropped
+
+    async def _step(self, batch: list[Trajectory]) -> None:
+        cfg, algo, backend = self.cfg, self.algo, self.backend
+        t0 = time.perf_counter()
+        version = backend.step
+        built = build_sequences(batch, algo, max_tokens=cfg.max_tokens)
+        seqs = built.sequences
+        if not seqs:  # every trajectory was filtered out: nothing to train, no new version
+            ids = [t.session.id for t in batch]
+            await self.store.mark_consumed(ids, owner=self.owner, step=-1)
+            return
+        seqs = await self._with_side_logprobs(seqs)
+        n_tokens = sum(s.num_loss_tokens for s in seqs)
+        norm = loss_normalizer(algo.agg, num_tokens=n_tokens, num_seqs=len(seqs))
+        stats = await asyncio.to_thread(
+            backend.train_step,
+            seqs,
+            self.loss_fn,
+            temperature=cfg.temperature,
+            token_budget=cfg.token_budget,
+            global_norm=norm,
+        )
+        step = backend.step
+        used = [t.session.id for t in built.used]
+        dropped = [t.session.id for t in built.dropped]
+        await asyncio.to_thread(
+            checkpoint.save,
+            self.root,
+            backend,
+            checkpoint.CheckpointMeta(step, used, dropped),
+            keep=cfg.keep_checkpoints,
+        )
+        await self.store.mark_consumed(used, owner=self.owner, step=step)
+        if dropped:
+            await self.store.mark_consumed(dropped, owner=self.owner, step=-1)
+        if self.publisher is not None:
+            await self.publisher.publish(backend.full_state_dict(), step)
+        elapsed = time.perf_counter() - t0
+        staleness = [
+            version - v for s in seqs for v, m in zip(s.versions, s.loss_mask, strict=True) if m
+        ]
+        rewards = built.rewards
+        self._emit(
+            {
+                "step": step,
+                "version": step,
+                "trajectories": len(built.used),
+                "dropped": len(built.dropped),
+                "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+                "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+                "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
+                "staleness_max": max(staleness, default=0),
+                "tokens": n_tokens,
+                "tokens_per_s": n_tokens / elapsed if elapsed > 0 else 0.0,
+                "step_seconds": elapsed,
+                **stats,
+            }
+        )
+
+    async def _with_side_logprobs(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
+        cfg, algo = self.cfg, self.algo
+        prox = ref = None
+        if algo.decoupled:
+            prox = await asyncio.to_thread(
+                self.backend.forward_logprobs, seqs, cfg.temperature, token_budget=cfg.token_budget
+            )
+        if algo.kl_coef > 0 and self.reference is not None:
+            ref = await asyncio.to_thread(
+                self.reference.forward_logprobs,
+                seqs,
+                cfg.temperature,
+                token_budget=cfg.token_budget,
+            )
+        out = []
+        for i, s in enumerate(seqs):
+            out.append(
+                dataclasses.replace(
+                    s,
+                    prox_logprobs=prox[i] if prox is not None else None,
+                    ref_logprobs=ref[i] if ref is not None else None,
+                )
+            )
+        return out
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def _emit(self, row: dict[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.cfg.tensorboard:
+            self._tensorboard(row)
+        self.report(row)
+
+    def _tensorboard(self, row: dict[str, Any]) -> None:
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                log.warning("tensorboard is not installed: pip install tensorboard for event files")
+                self.cfg = self.cfg.model_copy(update={"tensorboard": False})
+                return
+            self._tb = SummaryWriter(str(self.root / "tb"))
+        for k, v in row.items():
+            if isinstance(v, int | float) and k != "step":
+                self._tb.add_scalar(f"train/{k}", v, row["step"])
+        self._tb.flush()
+
+
+def _print_report(row: dict[str, Any]) -> None:
+    keys = (
+        "reward_mean",
+        "loss",
+        "approx_kl",
+        "clip_frac_high",
+        "imp_weight_max",
+        "staleness_max",
+        "tokens_per_s",
+    )
+    parts = [f"step {row['step']}"] + [
+        f"{k} {row[k]:.4g}" for k in keys if isinstance(row.get(k), int | float)
+    ]
+    print(" | ".join(parts), flush=True)

@@ -1,0 +1,64 @@
+"""The loss callback the backend calls per packed micro-batch, built from an AlgorithmConfig."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from trainer.algorithms.aggregation import aggregate
+from trainer.algorithms.config import AlgorithmConfig
+from trainer.algorithms.losses import kl_penalty, ppo_policy_loss
+from trainer.backends.base import LossFn
+from trainer.batch import MicroBatch
+
+
+def make_loss_fn(algo: AlgorithmConfig) -> LossFn:
+    """PPO-family policy loss (decoupled, clip-higher, dual clip, token or sequence ratio) plus a
+    KL-to-reference term when `kl_coef > 0` and `kl_placement == "loss"`."""
+    kl_in_loss = algo.kl_coef > 0 and algo.kl_placement == "loss"
+
+    def loss_fn(
+        logp_1T: torch.Tensor, mb: MicroBatch, normalizer: float
+    ) -> tuple[torch.Tensor, Mapping[str, float]]:
+        mask = mb.loss_mask_1T
+        if algo.decoupled:
+            assert mb.prox_logp_1T is not None, "decoupled PPO needs proximal logprobs"
+            old = mb.prox_logp_1T
+        else:
+            old = mb.behav_logp_1T
+        loss, stats = ppo_policy_loss(
+            logp_1T,
+            old,
+            mb.advantages_1T,
+            mask,
+            eps_low=algo.eps_low,
+            eps_high=algo.eps_high,
+            dual_clip_c=algo.dual_clip_c,
+            behav_logp_BT=mb.behav_logp_1T if algo.decoupled else None,
+            behav_imp_weight_cap=algo.behav_imp_weight_cap if algo.decoupled else None,
+            level=algo.importance_level,
+            agg=algo.agg,
+            norm_len=algo.norm_len,
+            normalizer=normalizer,
+            seq_index_BT=mb.seq_index_1T,
+        )
+        out = {k: float(v) for k, v in stats.items()}
+        if kl_in_loss:
+            assert mb.ref_logp_1T is not None, "a KL loss needs reference logprobs"
+            kl_1T = kl_penalty(logp_1T, mb.ref_logp_1T, algo.kl_kind)
+            loss = loss + algo.kl_coef * aggregate(
+                kl_1T,
+                mask,
+                algo.agg,
+                norm_len=algo.norm_len,
+                normalizer=normalizer,
+                seq_index_BT=mb.seq_index_1T,
+            )
+            n = mask.sum().clamp(min=1)
+            out["kl_ref"] = float((kl_1T.detach() * mask).sum() / n)
+        # what the current policy assigns to the sampled tokens: the entropy proxy on CPU budgets
+        out["neg_logp"] = float(-(logp_1T.detach() * mask).sum() / mask.sum().clamp(min=1))
+        return loss, out
+
+    return loss_fn
