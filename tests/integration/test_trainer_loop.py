@@ -1,0 +1,220 @@
+"""The asynchronous RL loop end to end, in one process: agents talk to the real gateway (local
+engine, SQLite store), a grader posts rewards, the trainer (FSDP backend) claims trajectories,
+trains, and hot-swaps each new policy into the engine while the agents keep running."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engines.local import LocalEngine, LocalEngineConfig
+from engines.tiny_model import load_tokenizer
+from gateway.app import Components, create_app
+from gateway.settings import GatewaySettings
+from store import Store
+from trainer.backends.registry import build_backend
+from trainer.config import TrainConfig
+from trainer.loop import Trainer
+from trainer.publish import LocalPublisher
+from trainer.sequences import build_sequences
+
+ADMIN = {"Authorization": "Bearer admin"}
+PROMPT = [{"role": "user", "content": "write lowercase letters"}]
+MAX_TOKENS = 16
+
+pytestmark = pytest.mark.slow
+
+
+def grade(text: str) -> float:
+    """The toy task: as many lowercase ASCII letters as possible in MAX_TOKENS tokens."""
+    return sum("a" <= c <= "z" for c in text) / MAX_TOKENS
+
+
+@dataclass
+class Harness:
+    http: httpx.AsyncClient
+    engine: LocalEngine
+    store: Store
+    db_path: Path
+    rewards: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    rejected: int = 0
+
+    async def run(self, config: dict[str, Any]) -> str:
+        r = await self.http.post("/runs", json={"name": "t", "config": config}, headers=ADMIN)
+        assert r.status_code == 201, r.text
+        run_id: str = r.json()["id"]
+        return run_id
+
+    async def group(self, run_id: str, size: int, gid: str) -> list[dict[str, Any]]:
+        """Create a GRPO group, waiting while the gateway's admission says 429."""
+        while True:
+            r = await self.http.post(
+                f"/runs/{run_id}/sessions", json={"count": size, "group_id": gid}, headers=ADMIN
+            )
+            if r.status_code == 429:
+                assert r.headers["retry-after"]
+                self.rejected += 1
+                await asyncio.sleep(0.02)
+                continue
+            assert r.status_code == 201, r.text
+            sessions: list[dict[str, Any]] = r.json()["sessions"]
+            return sessions
+
+    async def episode(self, s: dict[str, Any]) -> None:
+        key = {"Authorization": f"Bearer {s['api_key']}"}
+        version = self.engine.version()
+        r = await self.http.post(
+            f"/sessions/{s['id']}/v1/chat/completions",
+            json={"messages": PROMPT, "max_tokens": MAX_TOKENS},
+            headers=key,
+        )
+        assert r.status_code == 200, r.text
+        reward = grade(r.json()["choices"][0]["message"]["content"] or "")
+        self.rewards[version].append(reward)
+        await self.http.post(f"/sessions/{s['id']}/reward", json={"reward": reward}, headers=key)
+        await self.http.post(f"/sessions/{s['id']}/end", headers=key)
+
+    async def agents(
+        self, run_id: str, group_size: int, until_version: int, concurrency: int = 4
+    ) -> None:
+        """`concurrency` agent loops, each running one GRPO group after another."""
+
+        async def loop(a: int) -> None:
+            g = 0
+            while self.engine.version() < until_version:
+                sessions = await self.group(run_id, group_size, f"a{a}-g{g}")
+                g += 1
+                await asyncio.gather(*(self.episode(s) for s in sessions))
+
+        await asyncio.gather(*(loop(a) for a in range(concurrency)))
+
+    def consumed(self) -> dict[str, int]:
+        with sqlite3.connect(self.db_path) as db:
+            rows = db.execute("SELECT id, consumed_step FROM sessions WHERE train_state='consumed'")
+            return {sid: step for sid, step in rows}
+
+
+@asynccontextmanager
+async def harness(tiny_model: Path, tmp_path: Path) -> AsyncIterator[Harness]:
+    engine = LocalEngine.load(LocalEngineConfig(model=str(tiny_model)))
+    db_path = tmp_path / "store.db"
+    store = await Store.connect(f"sqlite:///{db_path}")
+    components = Components(
+        engine=engine,
+        store=store,
+        tokenizer=load_tokenizer(tiny_model),
+        eos_token_ids=engine.eos_token_ids,
+        model_name="tiny",
+    )
+    app = create_app(GatewaySettings(admin_token="admin"), components)
+    try:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://gw", timeout=120
+            ) as http:
+                yield Harness(http, engine, store, db_path)
+    finally:
+        await engine.close()
+        await store.close()
+
+
+def train_config(run_id: str, tmp_path: Path, **kw: Any) -> TrainConfig:
+    return TrainConfig.model_validate(
+        {
+            "run": run_id,
+            "database_url": "sqlite:///unused",
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "tensorboard": False,
+            "max_tokens": MAX_TOKENS,
+            **kw,
+        }
+    )
+
+
+async def test_engine_and_trainer_logprobs_agree_on_recorded_tokens(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    async with harness(tiny_model, tmp_path) as h:
+        run_id = await h.run({"batch_size": 8})
+        for g in range(2):
+            sessions = await h.group(run_id, 4, f"g{g}")
+            await asyncio.gather(*(h.episode(s) for s in sessions))
+        cfg = train_config(run_id, tmp_path)
+        trajs = await h.store.claim(run_id, limit=8, owner="t", lease_seconds=60)
+        assert len(trajs) == 8
+        built = build_sequences(trajs, cfg.algorithm_config())
+        backend = build_backend(cfg.backend_config(str(tiny_model)))
+        logps = backend.forward_logprobs(built.sequences, 1.0)
+        worst = 0.0
+        for seq, logp in zip(built.sequences, logps, strict=True):
+            for m, engine_lp, trainer_lp in zip(
+                seq.loss_mask, seq.behav_logprobs, logp, strict=True
+            ):
+                if m:
+                    worst = max(worst, abs(engine_lp - trainer_lp))
+        assert worst <= 1e-4  # on-policy, the importance ratio exp(trainer - engine) is 1
+
+
+@pytest.mark.parametrize(("lr", "learns"), [(1e-3, True), (0.0, False)], ids=["lr1e-3", "lr0"])
+async def test_async_grpo_through_the_gateway_learns_within_the_staleness_bound(
+    tiny_model: Path, tmp_path: Path, lr: float, learns: bool
+) -> None:
+    eta, steps, batch, group = 1, 8, 16, 4
+    config = {"eta": eta, "batch_size": batch, "group_size": group}
+    async with harness(tiny_model, tmp_path) as h:
+        run_id = await h.run(config)
+        cfg = train_config(run_id, tmp_path, max_steps=steps, optim={"lr": lr, "seed": 0}, **config)
+        backend = build_backend(cfg.backend_config(str(tiny_model)))
+        trainer = Trainer(cfg, h.store, backend, LocalPublisher(h.engine))
+        # more agents than the bound admits: (eta + 1) * batch = 32 sessions, 10 loops x 4 want 40
+        agents = asyncio.create_task(h.agents(run_id, group, steps, concurrency=10))
+        await trainer.run()
+        agents.cancel()
+        await asyncio.gather(agents, return_exceptions=True)
+        assert h.engine.version() == steps
+        # no trained token is older than eta versions: a session consumed at step s was trained
+        # by the policy of version s - 1
+        consumed = h.consumed()
+        trained = {sid: step for sid, step in consumed.items() if step >= 1}
+        assert len(trained) == steps * batch
+        for sid, step in trained.items():
+            detail = await h.store.session_detail(sid)
+            versions = [v for seg in detail.segments for v in seg.versions if v >= 0]
+            assert min(versions) >= step - 1 - eta, (sid, step, versions)
+        assert h.rejected > 0  # admission really held agents back
+        first = sum(h.rewards[0]) / len(h.rewards[0])
+        late = [r for v, rs in h.rewards.items() if v >= steps - 2 for r in rs]
+        assert len(late) >= batch
+        last = sum(late) / len(late)
+        if learns:
+            assert last - first > 0.2, dict(h.rewards)
+        else:
+            assert abs(last - first) < 0.15, dict(h.rewards)
+
+
+async def test_synchronous_mode_trains_only_current_policy_tokens(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    config = {"eta": 0, "batch_size": 8, "group_size": 4}
+    async with harness(tiny_model, tmp_path) as h:
+        run_id = await h.run(config)
+        cfg = train_config(run_id, tmp_path, max_steps=3, optim={"lr": 1e-3}, **config)
+        backend = build_backend(cfg.backend_config(str(tiny_model)))
+        rows: list[dict[str, Any]] = []
+        trainer = Trainer(cfg, h.store, backend, LocalPublisher(h.engine), report=rows.append)
+        agents = asyncio.create_task(h.agents(run_id, 4, 3))
+        await trainer.run()
+        agents.cancel()
+        await asyncio.gather(agents, return_exceptions=True)
+        assert [r["staleness_max"] for r in rows] == [0, 0, 0]
+        assert [r["trajectories"] for r in rows] == [8, 8, 8]
