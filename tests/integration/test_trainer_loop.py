@@ -218,3 +218,68 @@ async def test_synchronous_mode_trains_only_current_policy_tokens(
         await asyncio.gather(agents, return_exceptions=True)
         assert [r["staleness_max"] for r in rows] == [0, 0, 0]
         assert [r["trajectories"] for r in rows] == [8, 8, 8]
+
+
+def test_sigkill_mid_run_resumes_and_trains_each_trajectory_exactly_once(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    batch, steps = 4, 4
+
+    async def record() -> str:
+        async with harness(tiny_model, tmp_path) as h:
+            run_id = await h.run({})  # no staleness config: the gateway does not throttle
+            for g in range(batch * steps // 2):
+                sessions = await h.group(run_id, 2, f"g{g}")
+                await asyncio.gather(*(h.episode(s) for s in sessions))
+            return run_id
+
+    run_id = asyncio.run(record())
+    config = tmp_path / "run.yaml"
+    ckpt = tmp_path / "ckpt"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run": run_id,
+                "database_url": f"sqlite:///{tmp_path / 'store.db'}",
+                "model": str(tiny_model),
+                "batch_size": batch,
+                "group_size": 2,
+                "max_steps": steps,
+                "eta": steps,  # all data was sampled by version 0 before training started
+                "checkpoint_dir": str(ckpt),
+                "lease_seconds": 3,
+                "tensorboard": False,
+                "optim": {"lr": 1e-3},
+            }
+        )
+    )
+    cmd = [sys.executable, "-m", "gateway.cli", "train", "--config", str(config)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "first.log"
+    with log.open("w") as out:
+        first = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not (ckpt / "step-000002").exists():
+            assert first.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.01)
+        first.send_signal(signal.SIGKILL)  # mid-run: step 3 may be anywhere from claim to publish
+        first.wait()
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout + second.stderr
+    with sqlite3.connect(tmp_path / "store.db") as db:
+        rows = list(db.execute("SELECT train_state, consumed_step FROM sessions"))
+    assert all(state == "consumed" for state, _ in rows)  # none lost
+    per_step: dict[int, int] = defaultdict(int)
+    for _, step in rows:
+        per_step[step] += 1
+    # every step trained exactly one batch, and no session was trained twice
+    assert dict(per_step) == dict.fromkeys(range(1, steps + 1), batch)
