@@ -190,9 +190,7 @@ def main() -> None:
 
     model_dir = tiny_model_dir(size=args.model_size)
     d = asyncio.run(direct(model_dir, args.clients, args.requests, args.max_tokens))
-    g = asyncio.run(
-        through_gateway(model_dir, args.clients, args.requests, args.max_tokens, args.database_url)
-    )
+    g = through_gateway(model_dir, args.clients, args.requests, args.max_tokens, args.database_url)
     rows = []
     for name, r in (("engine in-process", d), ("gateway over HTTP", g)):
         lat = [x * 1000 for x in r["latencies"]]

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engines.base import Engine
 from gateway.admission import Admission
+from gateway.auth import SessionDirectory
 from gateway.chat import ChatService
 from gateway.chat_render import ChatRenderer
 from gateway.completions import CompletionService
@@ -51,6 +52,7 @@ class Gateway:
     chat: ChatService
     completions: CompletionService
     admission: Admission
+    sessions: SessionDirectory
 
     @property
     def store(self) -> Store:
@@ -72,6 +74,7 @@ def build_gateway(settings: GatewaySettings, c: Components) -> Gateway:
         chat=ChatService(c.engine, renderer, recorder, c.model_name),
         completions=CompletionService(c.engine, renderer, recorder, c.model_name),
         admission=Admission(c.store),
+        sessions=SessionDirectory(c.store),
     )
 
 

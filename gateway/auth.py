@@ -15,7 +15,50 @@ from fastapi import Request
 from gateway.errors import Conflict, NotFound, Unauthorized
 from store import Store
 from store.errors import NotFoundError
+from store.sessions import hash_key
 from store.types import SessionInfo, SessionStatus
+
+
+class SessionDirectory:
+    """Session lookups by key and id, cached: a key's session never changes, and this gateway
+    updates an entry when it ends a session. A session ended elsewhere may still look active
+    here; its turns are then refused when they are committed (the store checks), so nothing is
+    recorded into an ended session either way."""
+
+    def __init__(self, store: Store, max_entries: int = 100_000) -> None:
+        self.store = store
+        self.max_entries = max_entries
+        self._by_key: dict[str, str] = {}
+        self._by_id: dict[str, SessionInfo] = {}
+
+    def remember(self, info: SessionInfo) -> None:
+        if len(self._by_id) >= self.max_entries:
+            self._by_id.clear()
+            self._by_key.clear()
+        self._by_id[info.id] = info
+
+    def remember_key(self, api_key: str, info: SessionInfo) -> None:
+        """A session this gateway created: its key is known without a lookup."""
+        self.remember(info)
+        self._by_key[hash_key(api_key)] = info.id
+
+    async def by_key(self, api_key: str) -> SessionInfo | None:
+        digest = hash_key(api_key)
+        sid = self._by_key.get(digest)
+        if sid is not None and sid in self._by_id:
+            return self._by_id[sid]
+        info = await self.store.session_for_key(api_key)
+        if info is not None:
+            self.remember(info)
+            self._by_key[digest] = info.id
+        return info
+
+    async def by_id(self, session_id: str) -> SessionInfo:
+        info = self._by_id.get(session_id)
+        if info is None:
+            info = await self.store.get_session(session_id)
+            self.remember(info)
+        return info
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +91,7 @@ def require_admin(request: Request, admin_token: str | None) -> None:
 
 
 async def resolve(
-    request: Request, store: Store, admin_token: str | None, session_id: str | None
+    request: Request, sessions: SessionDirectory, admin_token: str | None, session_id: str | None
 ) -> Caller:
     """The caller of a request, for the session in the path (if any)."""
     token = bearer(request)
@@ -61,10 +104,10 @@ async def resolve(
         if session_id is None:
             return Caller(admin=True, session=None)
         try:
-            return Caller(admin=True, session=await store.get_session(session_id))
+            return Caller(admin=True, session=await sessions.by_id(session_id))
         except NotFoundError:
             raise NotFound(f"session {session_id!r} does not exist") from None
-    session = await store.session_for_key(token)
+    session = await sessions.by_key(token)
     if session is None:
         raise Unauthorized("invalid API key: use the api_key returned when the session was created")
     if session_id is not None and session.id != session_id:

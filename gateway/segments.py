@@ -106,6 +106,11 @@ class SegmentTracker:
         self._states.move_to_end(session_id)
         return state
 
+    def register_empty(self, session_id: str) -> None:
+        """A session this gateway just created: it has no segments to load."""
+        self._states.setdefault(session_id, SessionState([]))
+        self._evict()
+
     def _evict(self) -> None:
         while len(self._states) > self.max_sessions:
             for sid, st in self._states.items():

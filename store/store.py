@@ -10,6 +10,7 @@ from typing import Self
 from store import migrate, queue, rewards, sessions, turns
 from store.db import Database, redact
 from store.errors import StoreError
+from store.group_commit import GroupCommitter
 from store.trajectories import check_gamma, load_sessions
 from store.types import (
     JSON,
@@ -32,6 +33,8 @@ class Store:
         """The normalized (async driver) URL."""
         self.dialect: str = db.dialect
         """"sqlite" or "postgresql"."""
+        # SQLite commits one transaction (one fsync) at a time: concurrent turns share one.
+        self._group = GroupCommitter(db) if db.dialect == "sqlite" else None
 
     @classmethod
     async def connect(cls, url: str, *, upgrade: bool = True) -> Self:
@@ -116,7 +119,10 @@ class Store:
         SessionEndedError for an ended session; NotFoundError for an unknown session or
         segment; ValueError for arrays of unequal length.
         """
-        await turns.record_completions(self._db, records)
+        if self._group is not None:
+            await self._group.record(records)
+        else:
+            await turns.record_completions(self._db, records)
 
     # rewards
 

@@ -54,85 +54,96 @@ class _Segment:
     transcript: JSON
 
 
-async def record_completions(db: Database, records: list[CompletionRecord]) -> None:
-    """Commit every record or none. See `Store.record_completions`."""
+def check_records(records: list[CompletionRecord]) -> None:
+    """The checks that need no database (ValueError)."""
     for record in records:
         _check(record)
     ids = [r.id for r in records]
     if len(set(ids)) != len(ids):
         raise ValueError(f"completion ids in one batch must be distinct, got {ids}")
+
+
+async def record_completions(db: Database, records: list[CompletionRecord]) -> None:
+    """Commit every record or none. See `Store.record_completions`."""
+    check_records(records)
     if not records:
         return
+    async with db.write() as s:
+        await write_records(s, records)
+
+
+async def write_records(s: AsyncSession, records: list[CompletionRecord]) -> None:
+    """The writes of `record_completions` inside the caller's transaction (checked records)."""
+    ids = [r.id for r in records]
     now = utcnow()
     per_session = Counter(r.session_id for r in records)
     breaks = Counter(r.session_id for r in records if r.prefix_break)
-    async with db.write() as s:
-        # Claim the turn numbers. The UPDATE also row-locks the session (PostgreSQL), which
-        # orders concurrent batches on one session; sorted, so batches lock in one order.
-        next_turn: dict[str, int] = {}
-        for session_id in sorted(per_session):
-            count = per_session[session_id]
-            turn_count = await s.scalar(
-                update(SessionRow)
-                .where(SessionRow.id == session_id, SessionRow.ended_at.is_(None))
-                .values(
-                    turn_count=SessionRow.turn_count + count,
-                    prefix_breaks=SessionRow.prefix_breaks + breaks[session_id],
+    # Claim the turn numbers. The UPDATE also row-locks the session (PostgreSQL), which
+    # orders concurrent batches on one session; sorted, so batches lock in one order.
+    next_turn: dict[str, int] = {}
+    for session_id in sorted(per_session):
+        count = per_session[session_id]
+        turn_count = await s.scalar(
+            update(SessionRow)
+            .where(SessionRow.id == session_id, SessionRow.ended_at.is_(None))
+            .values(
+                turn_count=SessionRow.turn_count + count,
+                prefix_breaks=SessionRow.prefix_breaks + breaks[session_id],
+            )
+            .returning(SessionRow.turn_count)
+            .execution_options(synchronize_session=False)
+        )
+        if turn_count is None:
+            raise await _why_not_writable(s, session_id)
+        next_turn[session_id] = turn_count - count
+    taken = list(await s.scalars(select(CompletionRow.id).where(CompletionRow.id.in_(ids))))
+    if taken:
+        raise ConflictError(f"completion ids already recorded: {taken}; ids must be unique")
+
+    segments: dict[str, _Segment] = {}
+    rows: list[dict[str, Any]] = []
+    for record in records:
+        segment = await _segment_for(s, record, segments.get(record.segment_id))
+        segments[segment.id] = segment
+        if record.prefix_len != segment.length:
+            raise ConflictError(
+                f"completion {record.id!r}: prefix_len is {record.prefix_len} but segment "
+                f"{segment.id!r} holds {segment.length} tokens (another turn extended it "
+                "meanwhile); reload the session's segments and start a new segment"
+            )
+        delta = record.prompt_ids[record.prefix_len :]
+        segment.length += len(delta) + len(record.output_ids)
+        segment.transcript = record.transcript
+        rows.append(_completion_row(record, delta, next_turn[record.session_id], now))
+        next_turn[record.session_id] += 1
+
+    opened = [seg for seg in segments.values() if seg.stored_length is None]
+    if opened:
+        await s.execute(
+            insert(SegmentRow),
+            [
+                dict(
+                    id=seg.id,
+                    session_id=seg.session_id,
+                    position=seg.position,
+                    transcript=seg.transcript,
+                    length=seg.length,
+                    created_at=now,
                 )
-                .returning(SessionRow.turn_count)
+                for seg in opened
+            ],
+        )
+    for seg in segments.values():
+        if seg.stored_length is not None:
+            moved = await s.scalar(
+                update(SegmentRow)
+                .where(SegmentRow.id == seg.id, SegmentRow.length == seg.stored_length)
+                .values(length=seg.length, transcript=seg.transcript)
+                .returning(SegmentRow.id)
                 .execution_options(synchronize_session=False)
             )
-            if turn_count is None:
-                raise await _why_not_writable(s, session_id)
-            next_turn[session_id] = turn_count - count
-        taken = list(await s.scalars(select(CompletionRow.id).where(CompletionRow.id.in_(ids))))
-        if taken:
-            raise ConflictError(f"completion ids already recorded: {taken}; ids must be unique")
-
-        segments: dict[str, _Segment] = {}
-        rows: list[dict[str, Any]] = []
-        for record in records:
-            segment = await _segment_for(s, record, segments.get(record.segment_id))
-            segments[segment.id] = segment
-            if record.prefix_len != segment.length:
-                raise ConflictError(
-                    f"completion {record.id!r}: prefix_len is {record.prefix_len} but segment "
-                    f"{segment.id!r} holds {segment.length} tokens (another turn extended it "
-                    "meanwhile); reload the session's segments and start a new segment"
-                )
-            delta = record.prompt_ids[record.prefix_len :]
-            segment.length += len(delta) + len(record.output_ids)
-            segment.transcript = record.transcript
-            rows.append(_completion_row(record, delta, next_turn[record.session_id], now))
-            next_turn[record.session_id] += 1
-
-        opened = [seg for seg in segments.values() if seg.stored_length is None]
-        if opened:
-            await s.execute(
-                insert(SegmentRow),
-                [
-                    dict(
-                        id=seg.id,
-                        session_id=seg.session_id,
-                        position=seg.position,
-                        transcript=seg.transcript,
-                        length=seg.length,
-                        created_at=now,
-                    )
-                    for seg in opened
-                ],
-            )
-        for seg in segments.values():
-            if seg.stored_length is not None:
-                moved = await s.scalar(
-                    update(SegmentRow)
-                    .where(SegmentRow.id == seg.id, SegmentRow.length == seg.stored_length)
-                    .values(length=seg.length, transcript=seg.transcript)
-                    .returning(SegmentRow.id)
-                    .execution_options(synchronize_session=False)
-                )
-                assert moved is not None, f"segment {seg.id} changed under its session's lock"
-        await s.execute(insert(CompletionRow), rows)
+            assert moved is not None, f"segment {seg.id} changed under its session's lock"
+    await s.execute(insert(CompletionRow), rows)
 
 
 async def _why_not_writable(s: AsyncSession, session_id: str) -> Exception:

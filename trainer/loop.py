@@ -71,6 +71,7 @@ class Trainer:
         self.root = Path(cfg.checkpoint_dir)
         self.metrics_path = self.root / "metrics.jsonl"
         self._tb: Any = None
+        self.is_leader = _rank() == 0
         if self.algo.kl_coef > 0 and reference is None:
             raise ValueError("kl_coef > 0 needs a reference model: pass `reference`")
 
@@ -84,6 +85,8 @@ class Trainer:
             return self.backend.step
         path, meta = found
         await asyncio.to_thread(self.backend.load, path)
+        if not self.is_leader:
+            return self.backend.step
         await self.store.settle_consumed(meta.consumed, step=meta.step)
         await self.store.settle_consumed(meta.dropped, step=-1)
         if self.publisher is not None:
@@ -92,11 +95,13 @@ class Trainer:
         return self.backend.step
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Train until `max_steps` (or `stop` is set)."""
+        """Train until `max_steps` (or `stop` is set). Under torchrun every rank runs this: rank 0
+        talks to the store and the engines, and hands each batch to the other ranks."""
         while self.backend.step < self.cfg.max_steps:
             if stop is not None and stop.is_set():
                 return
-            batch = await self._collect(stop)
+            batch = await self._collect(stop) if self.is_leader else None
+            batch = _share(batch)
             if batch is None:
                 return
             await self._step(batch)
@@ -164,8 +169,9 @@ class Trainer:
         built = build_sequences(batch, algo, max_tokens=cfg.max_tokens)
         seqs = built.sequences
         if not seqs:  # every trajectory was filtered out: nothing to train, no new version
-            ids = [t.session.id for t in batch]
-            await self.store.mark_consumed(ids, owner=self.owner, step=-1)
+            if self.is_leader:
+                ids = [t.session.id for t in batch]
+                await self.store.mark_consumed(ids, owner=self.owner, step=-1)
             return
         seqs = await self._with_side_logprobs(seqs)
         n_tokens = sum(s.num_loss_tokens for s in seqs)
@@ -187,12 +193,16 @@ class Trainer:
             backend,
             checkpoint.CheckpointMeta(step, used, dropped),
             keep=cfg.keep_checkpoints,
+            is_writer=self.is_leader,
         )
+        weights = backend.full_state_dict()  # a collective: every rank takes part
+        if not self.is_leader:
+            return
         await self.store.mark_consumed(used, owner=self.owner, step=step)
         if dropped:
             await self.store.mark_consumed(dropped, owner=self.owner, step=-1)
         if self.publisher is not None:
-            await self.publisher.publish(backend.full_state_dict(), step)
+            await self.publisher.publish(weights, step)
         elapsed = time.perf_counter() - t0
         staleness = [
             version - v for s in seqs for v, m in zip(s.versions, s.loss_mask, strict=True) if m
@@ -263,6 +273,24 @@ class Trainer:
             if isinstance(v, int | float) and k != "step":
                 self._tb.add_scalar(f"train/{k}", v, row["step"])
         self._tb.flush()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _share(batch: list[Trajectory] | None) -> list[Trajectory] | None:
+    """Rank 0's batch on every rank (a no-op in one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return batch
+    box: list[Any] = [batch]
+    dist.broadcast_object_list(box, src=0)
+    shared: list[Trajectory] | None = box[0]
+    return shared
 
 
 def _print_report(row: dict[str, Any]) -> None:

@@ -34,7 +34,7 @@ def _respond(result: dict[str, Any] | AsyncIterator[str]) -> Any:
 async def _chat(
     gw: GatewayDep, request: Request, body: ChatCompletionRequest, session_id: str | None
 ) -> Any:
-    caller = await resolve(request, gw.store, gw.settings.admin_token, session_id)
+    caller = await resolve(request, gw.sessions, gw.settings.admin_token, session_id)
     require_active(caller)
     sid = caller.session.id if caller.session else None
     return _respond(await gw.chat.create(body, sid))
@@ -43,7 +43,7 @@ async def _chat(
 async def _completions(
     gw: GatewayDep, request: Request, body: CompletionRequest, session_id: str | None
 ) -> Any:
-    caller = await resolve(request, gw.store, gw.settings.admin_token, session_id)
+    caller = await resolve(request, gw.sessions, gw.settings.admin_token, session_id)
     require_active(caller)
     sid = caller.session.id if caller.session else None
     return _respond(await gw.completions.create(body, sid))
@@ -86,11 +86,11 @@ def _models(gw: GatewayDep) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def models(gw: GatewayDep, request: Request) -> dict[str, Any]:
-    await resolve(request, gw.store, gw.settings.admin_token, None)
+    await resolve(request, gw.sessions, gw.settings.admin_token, None)
     return _models(gw)
 
 
 @router.get("/sessions/{session_id}/v1/models")
 async def session_models(gw: GatewayDep, request: Request, session_id: str) -> dict[str, Any]:
-    await resolve(request, gw.store, gw.settings.admin_token, session_id)
+    await resolve(request, gw.sessions, gw.settings.admin_token, session_id)
     return _models(gw)

@@ -77,6 +77,9 @@ async def create_sessions(
         created = await gw.store.create_sessions(
             run_id, body.count, group_id=body.group_id, metadata=body.metadata
         )
+    for s in created:  # known to be empty: no need to load their segments later
+        gw.sessions.remember_key(s.api_key, s.info)
+        gw.recorder.tracker.register_empty(s.info.id)
     base = gw.settings.base_url()
     return {
         "sessions": [

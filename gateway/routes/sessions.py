@@ -83,7 +83,7 @@ async def _gamma(gw: Gateway, run_id: str) -> float:
 async def reward(
     gw: GatewayDep, request: Request, session_id: str, body: RewardIn
 ) -> dict[str, Any]:
-    await resolve(request, gw.store, gw.settings.admin_token, session_id)
+    await resolve(request, gw.sessions, gw.settings.admin_token, session_id)
     recorded = await gw.store.add_reward(
         session_id, body.reward, completion_id=body.completion_id, key=body.key
     )
@@ -92,13 +92,15 @@ async def reward(
 
 @router.post("/sessions/{session_id}/end")
 async def end(gw: GatewayDep, request: Request, session_id: str) -> dict[str, Any]:
-    await resolve(request, gw.store, gw.settings.admin_token, session_id)
-    return info_json(await gw.store.end_session(session_id))
+    await resolve(request, gw.sessions, gw.settings.admin_token, session_id)
+    info = await gw.store.end_session(session_id)
+    gw.sessions.remember(info)
+    return info_json(info)
 
 
 @router.get("/sessions/{session_id}")
 async def get_session(gw: GatewayDep, request: Request, session_id: str) -> dict[str, Any]:
-    caller = await resolve(request, gw.store, gw.settings.admin_token, session_id)
+    caller = await resolve(request, gw.sessions, gw.settings.admin_token, session_id)
     assert caller.session is not None
     gamma = await _gamma(gw, caller.session.run_id)
     return detail_json(await gw.store.session_detail(session_id, gamma=gamma))

@@ -375,6 +375,32 @@ async def test_concurrent_writers_never_hit_a_locked_database(store: Store) -> N
     assert all(t.reward == pytest.approx(2.0) for t in trajectories)
 
 
+async def test_concurrent_turns_commit_together_and_fail_alone(
+    store: Store, store_url: str
+) -> None:
+    """A burst of turns (the gateway's decode step finishing many at once) commits as one group
+    on SQLite; a turn that must fail (its session ended) fails alone and writes nothing."""
+    run = await store.create_run("burst", {})
+    sids = [n.info.id for n in await store.create_sessions(run.id, 12)]
+    await store.end_session(sids[5])
+    results = await asyncio.gather(
+        *(
+            store.record_completions(
+                [rec(f"{sid}-0", sid, 0, prompt=[1, 2], prefix_len=0, output=[3] * 8, opens=True)]
+            )
+            for sid in sids
+        ),
+        return_exceptions=True,
+    )
+    assert isinstance(results[5], SessionEndedError)
+    assert all(r is None for i, r in enumerate(results) if i != 5)
+    assert await count(store_url, "completions", sids[5]) == 0
+    assert await count(store_url, "segments", sids[5]) == 0
+    for i, sid in enumerate(sids):
+        if i != 5:
+            assert await count(store_url, "completions", sid) == 1
+
+
 # rewards and returns
 
 

@@ -5,6 +5,7 @@ trains, and hot-swaps each new policy into the engine while the agents keep runn
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -232,6 +233,48 @@ async def test_synchronous_mode_trains_only_current_policy_tokens(
         assert [r["trajectories"] for r in rows] == [8, 8, 8]
 
 
+def record_trajectories(tiny_model: Path, tmp_path: Path, count: int) -> str:
+    """`count` ended, rewarded single-turn sessions (groups of 2) in tmp_path/store.db."""
+
+    async def record() -> str:
+        async with harness(tiny_model, tmp_path) as h:
+            run_id = await h.run({})  # no staleness config: the gateway does not throttle
+            for g in range(count // 2):
+                sessions = await h.group(run_id, 2, f"g{g}")
+                await asyncio.gather(*(h.episode(s) for s in sessions))
+            return run_id
+
+    return asyncio.run(record())
+
+
+def write_run_config(tmp_path: Path, tiny_model: Path, run_id: str, **kw: Any) -> Path:
+    import yaml
+
+    config = tmp_path / "run.yaml"
+    data = {
+        "run": run_id,
+        "database_url": f"sqlite:///{tmp_path / 'store.db'}",
+        "model": str(tiny_model),
+        "group_size": 2,
+        "checkpoint_dir": str(tmp_path / "ckpt"),
+        "lease_seconds": 3,
+        "tensorboard": False,
+        "optim": {"lr": 1e-3},
+        **kw,
+    }
+    config.write_text(yaml.safe_dump(data))
+    return config
+
+
+def consumed_per_step(db_path: Path) -> dict[int | None, int]:
+    with sqlite3.connect(db_path) as db:
+        rows = list(db.execute("SELECT train_state, consumed_step FROM sessions"))
+    per_step: dict[int | None, int] = defaultdict(int)
+    for state, step in rows:
+        per_step[step if state == "consumed" else None] += 1
+    return dict(per_step)
+
+
 def test_sigkill_mid_run_resumes_and_trains_each_trajectory_exactly_once(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -241,38 +284,13 @@ def test_sigkill_mid_run_resumes_and_trains_each_trajectory_exactly_once(
     import sys
     import time
 
-    import yaml
-
     batch, steps = 4, 4
-
-    async def record() -> str:
-        async with harness(tiny_model, tmp_path) as h:
-            run_id = await h.run({})  # no staleness config: the gateway does not throttle
-            for g in range(batch * steps // 2):
-                sessions = await h.group(run_id, 2, f"g{g}")
-                await asyncio.gather(*(h.episode(s) for s in sessions))
-            return run_id
-
-    run_id = asyncio.run(record())
-    config = tmp_path / "run.yaml"
-    ckpt = tmp_path / "ckpt"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run": run_id,
-                "database_url": f"sqlite:///{tmp_path / 'store.db'}",
-                "model": str(tiny_model),
-                "batch_size": batch,
-                "group_size": 2,
-                "max_steps": steps,
-                "eta": steps,  # all data was sampled by version 0 before training started
-                "checkpoint_dir": str(ckpt),
-                "lease_seconds": 3,
-                "tensorboard": False,
-                "optim": {"lr": 1e-3},
-            }
-        )
+    run_id = record_trajectories(tiny_model, tmp_path, batch * steps)
+    # eta = steps: all the data was sampled by version 0, before training started
+    config = write_run_config(
+        tmp_path, tiny_model, run_id, batch_size=batch, max_steps=steps, eta=steps
     )
+    ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "gateway.cli", "train", "--config", str(config)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = tmp_path / "first.log"
@@ -283,15 +301,46 @@ def test_sigkill_mid_run_resumes_and_trains_each_trajectory_exactly_once(
             assert first.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "no checkpoint within 120 s"
             time.sleep(0.01)
-        first.send_signal(signal.SIGKILL)  # mid-run: step 3 may be anywhere from claim to publish
-        first.wait()
+        first.send_signal(signal.SIGKILL)  # mid-run: right after a checkpoint, before or after
+        first.wait()  # its sessions were marked consumed
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stdout + second.stderr
-    with sqlite3.connect(tmp_path / "store.db") as db:
-        rows = list(db.execute("SELECT train_state, consumed_step FROM sessions"))
-    assert all(state == "consumed" for state, _ in rows)  # none lost
-    per_step: dict[int, int] = defaultdict(int)
-    for _, step in rows:
-        per_step[step] += 1
-    # every step trained exactly one batch, and no session was trained twice
-    assert dict(per_step) == dict.fromkeys(range(1, steps + 1), batch)
+    # none lost, none trained twice: every step trained exactly one batch
+    assert consumed_per_step(tmp_path / "store.db") == dict.fromkeys(range(1, steps + 1), batch)
+
+
+def test_trainer_under_torchrun_with_two_processes(tiny_model: Path, tmp_path: Path) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    batch, steps = 4, 3
+    run_id = record_trajectories(tiny_model, tmp_path, batch * steps)
+    config = write_run_config(
+        tmp_path, tiny_model, run_id, batch_size=batch, max_steps=steps, eta=steps
+    )
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        "-m",
+        "gateway.cli",
+        "train",
+        "--config",
+        str(config),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert consumed_per_step(tmp_path / "store.db") == dict.fromkeys(range(1, steps + 1), batch)
+    metrics = (tmp_path / "ckpt" / "metrics.jsonl").read_text()
+    rows = [json.loads(line) for line in metrics.splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # written by rank 0 only

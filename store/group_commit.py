@@ -1,0 +1,71 @@
+"""Group commit: many concurrent `record_completions` calls share one transaction (one fsync).
+
+SQLite commits one write transaction at a time, each with an fsync, so a burst of completions
+that finish in the same decode step (64 of them, say) would queue for 64 fsyncs. Here the first
+caller starts a drain task; every caller that arrives while a transaction is running joins the
+next one. Each caller's records get a SAVEPOINT of their own, so one caller's failure (an ended
+session, a conflict) rolls back only its records and is raised to that caller alone; the others
+commit together (the savepoints are taken only when a group fails, on a retry). A caller returns
+only after the transaction holding its records committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from store.db import Database
+from store.turns import check_records, write_records
+from store.types import CompletionRecord
+
+_Job = tuple[list[CompletionRecord], asyncio.Future[None]]
+
+
+class GroupCommitter:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._pending: list[_Job] = []
+        self._drain: asyncio.Task[None] | None = None
+
+    async def record(self, records: list[CompletionRecord]) -> None:
+        check_records(records)
+        if not records:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((records, future))
+        if self._drain is None or self._drain.done():
+            self._drain = asyncio.create_task(self._run())
+        await future
+
+    async def _run(self) -> None:
+        while self._pending:
+            jobs, self._pending = self._pending, []
+            try:  # the common case: everything commits, without a savepoint per caller
+                async with self.db.write() as s:
+                    for records, _ in jobs:
+                        await write_records(s, records)
+            except Exception:
+                errors = await self._isolated(jobs)
+            else:
+                errors = [None] * len(jobs)
+            for (_, future), error in zip(jobs, errors, strict=True):
+                if future.done():
+                    continue
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+
+    async def _isolated(self, jobs: list[_Job]) -> list[BaseException | None]:
+        """Retry a failed group with a SAVEPOINT per caller, so only the failing ones fail."""
+        errors: list[BaseException | None] = [None] * len(jobs)
+        try:
+            async with self.db.write() as s:
+                for i, (records, _) in enumerate(jobs):
+                    try:
+                        async with s.begin_nested():
+                            await write_records(s, records)
+                    except Exception as exc:  # this caller's failure, isolated
+                        errors[i] = exc
+        except BaseException as exc:  # the transaction itself failed: everyone hears it
+            errors = [e or exc for e in errors]
+        return errors
