@@ -221,7 +221,9 @@ async def test_synchronous_mode_trains_only_current_policy_tokens(
     config = {"eta": 0, "batch_size": 8, "group_size": 4}
     async with harness(tiny_model, tmp_path) as h:
         run_id = await h.run(config)
-        cfg = train_config(run_id, tmp_path, max_steps=3, optim={"lr": 1e-3}, **config)
+        cfg = train_config(
+            run_id, tmp_path, max_steps=3, optim={"lr": 1e-3}, tensorboard=True, **config
+        )
         backend = build_backend(cfg.backend_config(str(tiny_model)))
         rows: list[dict[str, Any]] = []
         trainer = Trainer(cfg, h.store, backend, LocalPublisher(h.engine), report=rows.append)
@@ -231,6 +233,7 @@ async def test_synchronous_mode_trains_only_current_policy_tokens(
         await asyncio.gather(agents, return_exceptions=True)
         assert [r["staleness_max"] for r in rows] == [0, 0, 0]
         assert [r["trajectories"] for r in rows] == [8, 8, 8]
+        assert list((tmp_path / "ckpt" / "tb").glob("events.out.tfevents.*"))
 
 
 def record_trajectories(tiny_model: Path, tmp_path: Path, count: int) -> str:
