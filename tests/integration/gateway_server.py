@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +94,7 @@ def run_gateway(
     *,
     admin_token: str = "test-admin",
     extra_env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
     timeout: float = 120,
 ) -> Iterator[GatewayHandle]:
     """Serve `model_dir` with `rlgateway serve` on 127.0.0.1 (CPU) and yield its handle."""
@@ -111,6 +112,7 @@ def run_gateway(
         *("--model", str(model_dir)),
         *("--device", "cpu"),
         *("--log-level", "warning"),
+        *extra_args,
     ]
     env = {
         **os.environ,

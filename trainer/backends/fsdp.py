@@ -19,6 +19,7 @@ LR schedule.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -96,7 +97,16 @@ def init_distributed(device_type: str) -> tuple[int, int]:
         else:
             store = dist.HashStore()  # type: ignore[attr-defined]
             dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        # A group still alive at interpreter exit takes its communication threads down with
+        # std::terminate (SIGABRT): tear it down first.
+        atexit.register(shutdown_distributed)
     return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group, if one is up (idempotent)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,107 @@
+"""Training as a user runs it, as real processes: `rlgateway serve --train` (trainer embedded in
+the gateway) and `rlgateway serve` + `rlgateway train --gateway-url` (weights published over
+disk + POST /admin/weights). Agents drive real sessions over HTTP until the policy version
+advances."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.gateway_server import GatewayHandle, run_gateway
+
+pytestmark = pytest.mark.slow
+
+STEPS = 2
+
+
+def drive(gw: GatewayHandle, run_id: str, until: int, timeout: float = 180) -> None:
+    """Run GRPO groups of 2 (chat, reward, end) until the gateway serves version `until`."""
+    deadline = time.monotonic() + timeout
+    g = 0
+    while gw.client.get("/admin/version").json()["version"] < until:
+        assert time.monotonic() < deadline, gw.log_tail()
+        r = gw.client.post(f"/runs/{run_id}/sessions", json={"count": 2, "group_id": f"g{g}"})
+        if r.status_code == 429:  # at the staleness bound: wait for the next version
+            time.sleep(0.1)
+            continue
+        assert r.status_code == 201, r.text
+        g += 1
+        for s in r.json()["sessions"]:
+            key = {"Authorization": f"Bearer {s['api_key']}"}
+            with httpx.Client(base_url=gw.url, headers=key, timeout=60) as agent:
+                c = agent.post(
+                    f"/sessions/{s['id']}/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+                )
+                assert c.status_code == 200, c.text
+                text = c.json()["choices"][0]["message"]["content"] or ""
+                reward = sum(ch.islower() for ch in text) / 8
+                agent.post(f"/sessions/{s['id']}/reward", json={"reward": reward})
+                agent.post(f"/sessions/{s['id']}/end")
+
+
+def run_config(tmp_path: Path, **kw: Any) -> Path:
+    path = tmp_path / "run.yaml"
+    data = {
+        "batch_size": 4,
+        "group_size": 2,
+        "eta": 1,
+        "max_steps": STEPS,
+        "checkpoint_dir": str(tmp_path / "ckpt"),
+        "tensorboard": False,
+        "optim": {"lr": 1e-3},
+        **kw,
+    }
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_serve_with_embedded_trainer(tiny_model: Path, tmp_path: Path) -> None:
+    config = run_config(tmp_path)
+    args = ("--train", "--config", str(config))
+    with run_gateway(tiny_model, tmp_path, extra_args=args) as gw:
+        runs = [line for line in gw.log_path.read_text().splitlines() if "training run" in line]
+        deadline = time.monotonic() + 30
+        while not runs:
+            assert time.monotonic() < deadline, gw.log_tail()
+            time.sleep(0.1)
+            runs = [ln for ln in gw.log_path.read_text().splitlines() if "training run" in ln]
+        run_id = runs[0].split()[2]
+        drive(gw, run_id, STEPS)
+        assert gw.client.get("/admin/version").json() == {"version": STEPS}
+    assert (tmp_path / "ckpt" / f"step-{STEPS:06d}").is_dir()
+
+
+def test_separate_trainer_publishes_to_the_gateway(tiny_model: Path, tmp_path: Path) -> None:
+    with run_gateway(tiny_model, tmp_path) as gw:
+        run_id = gw.create_run("sep", {"batch_size": 4, "group_size": 2, "eta": 1})
+        config = run_config(
+            tmp_path, run=run_id, database_url=gw.database_url, model=str(tiny_model)
+        )
+        cmd = [sys.executable, "-m", "gateway.cli", "train", "--config", str(config),
+               "--gateway-url", gw.url, "--admin-token", gw.admin_token]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        log = tmp_path / "trainer.log"
+        with log.open("w") as out:
+            trainer = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+            try:
+                drive(gw, run_id, STEPS)
+                assert trainer.wait(timeout=120) == 0, log.read_text()
+            finally:
+                if trainer.poll() is None:
+                    trainer.kill()
+                    trainer.wait()
+        assert gw.client.get("/admin/version").json() == {"version": STEPS}
+        published = sorted(p.name for p in (tmp_path / "ckpt" / "published").iterdir())
+        assert published == [f"v{v}" for v in range(1, STEPS + 1)]
+        r = gw.client.post("/admin/weights", json={"path": str(tmp_path / "nope")})
+        assert r.status_code == 400
