@@ -12,7 +12,9 @@ For each concurrency C the same C chat-rendered prompts (20-60 tokens) each get 
   requests in flight at once against `/v1/completions` with token-id prompts.
 
 Each repeat runs every method once, interleaved, so machine noise hits them alike; a row reports
-the median (or best) of the repeats. Run from the repository root:
+the median (or best) of the repeats, and each ratio the median of the per-repeat ratios. Torch's
+intra-op threads (`OMP_NUM_THREADS`) apply to the engine and HF alike. Run from the repository
+root:
 
     .venv/bin/python bench/bench_local_engine.py --model-size test --concurrency 1 8 32 64
 """
@@ -40,19 +42,7 @@ if TYPE_CHECKING:
     from engines.local import LocalEngine
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-WORDS = (
-    "the",
-    "a",
-    "model",
-    "token",
-    "batch",
-    "agent",
-    "reward",
-    "policy",
-    "step",
-    "cache",
-    "tool",
-)
+LETTERS = "abcdefghijklmnopqrstuvwxyz     "  # about one space in six, like words
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,8 +78,7 @@ def make_prompts(tokenizer: Any, n: int, seed: int = 0) -> list[list[int]]:
     prompts = []
     for _ in range(n):
         target = rng.randint(20, 60)
-        words = " ".join(rng.choice(WORDS) for _ in range(60))
-        content = words[: max(1, target - overhead)]
+        content = "".join(rng.choice(LETTERS) for _ in range(max(1, target - overhead)))
         prompts.append(render(content))
     return prompts
 
@@ -210,7 +199,7 @@ def vllm_server(args: argparse.Namespace, model_dir: Path) -> Iterator[str | Non
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    load_before = os.getloadavg()[0]  # other work on the machine skews every column
+    busy_before = cpu_busy(2.0)  # other work on the machine skews every column
     import httpx
     import torch
     import transformers
@@ -249,13 +238,13 @@ def main(argv: list[str] | None = None) -> None:
             served = runner.run(client.get("/v1/models")).json()["data"][0]["id"]
             methods["vllm"] = lambda ps: runner.run(vllm_run(client, served, ps, n))
 
-        # Warm-up: every path once at the largest batch (grows caches, loads kernels).
-        for name, fn in methods.items():
-            fn(prompts[:2] if name == "hf_seq" else prompts)
-
         rows = []
         for c in args.concurrency:
             batch = prompts[:c]
+            # Warm-up at this batch size (grows caches; vLLM's CPU backend compiles per shape);
+            # the sequential baseline runs one prompt at a time whatever C is.
+            for name, fn in methods.items():
+                fn(batch[:1] if name == "hf_seq" else batch)
             rates: dict[str, list[float]] = {name: [] for name in methods}
             steps0, tokens0 = engine.stats.decode_steps, engine.stats.decode_tokens
             for _ in range(args.repeats):
@@ -268,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  C={c} tok/s per run: {runs}", file=sys.stderr)
 
     versions = (torch.__version__, transformers.__version__)
-    print_report(args, rows, url is not None, versions, load_before)
+    print_report(args, rows, url is not None, versions, busy_before)
 
 
 def print_report(
@@ -276,7 +265,7 @@ def print_report(
     rows: list[Row],
     with_vllm: bool,
     versions: tuple[str, str],
-    load_before: float,
+    busy_before: float,
 ) -> None:
     import torch
 
@@ -307,9 +296,22 @@ def print_report(
     print(
         f"machine: {cpu}, {len(os.sched_getaffinity(0))} usable cores; python "
         f"{platform.python_version()}, torch {torch_v} ({torch.get_num_threads()} threads), "
-        f"transformers {tf_v}; {datetime.date.today().isoformat()}; 1-min load average "
-        f"before the run {load_before:.2f}"
+        f"transformers {tf_v}; {datetime.date.today().isoformat()}; CPU busy with other work "
+        f"just before the run: {busy_before:.0%}"
     )
+
+
+def cpu_busy(seconds: float) -> float:
+    """The fraction of all cores busy (user, nice, system; not iowait) over `seconds`."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields[:3]), sum(fields[:8])
+
+    busy0, total0 = sample()
+    time.sleep(seconds)
+    busy1, total1 = sample()
+    return (busy1 - busy0) / max(1, total1 - total0)
 
 
 def _cpu_model() -> str:
