@@ -1,0 +1,189 @@
+"""Trainer throughput and hot-swap cost, side by side in one run.
+
+    .venv/bin/python bench/bench_trainer.py [--model-size test|demo] [--seqs 64] [--steps 3]
+
+1. Training tokens/s of the FSDP backend (packed micro-batches, no padding) against a plain
+   single-process torch loop on the same sequences (padded batches of 8, the same policy-gradient
+   loss, AdamW), and the padding each way wastes.
+2. Hot-swap: `engine.update_weights(state_dict)` into the local engine, idle and with 32
+   generations in flight (their KV caches are recomputed under the new weights), against the time
+   to copy the state dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+def make_sequences(n: int, vocab: int, seed: int) -> list[Any]:
+    from trainer.batch import TrainSequence
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = rng.randint(30, 120)
+        sampled = rng.choice([16, 32, 64, 128, 256])  # long-tailed, like agent replies
+        length = prompt + sampled
+        mask = [0] * prompt + [1] * sampled
+        out.append(
+            TrainSequence(
+                tokens=[rng.randrange(vocab) for _ in range(length)],
+                loss_mask=mask,
+                behav_logprobs=[-2.0 * m for m in mask],
+                advantages=[rng.gauss(0, 1) * m for m in mask],
+                versions=[0 if m else -1 for m in mask],
+            )
+        )
+    return out
+
+
+def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, norm: float) -> torch.Tensor:
+    return -(logp * adv * mask).sum() / norm
+
+
+def backend_run(model_dir: str, seqs: list[Any], steps: int, budget: int) -> float:
+    from trainer.backends.fsdp import FSDPBackend
+
+    backend = FSDPBackend(model_dir, lr=1e-5)
+    norm = float(sum(s.num_loss_tokens for s in seqs))
+
+    def loss_fn(logp_1T: torch.Tensor, mb: Any, n: float) -> tuple[torch.Tensor, dict[str, float]]:
+        return pg_loss(logp_1T, mb.advantages_1T, mb.loss_mask_1T.float(), n), {}
+
+    backend.train_step(seqs, loss_fn, temperature=1.0, token_budget=budget, global_norm=norm)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        backend.train_step(seqs, loss_fn, temperature=1.0, token_budget=budget, global_norm=norm)
+    return (time.perf_counter() - t0) / steps
+
+
+def plain_run(model_dir: str, seqs: list[Any], steps: int, batch: int) -> tuple[float, float]:
+    """A plain loop: padded batches of `batch` sequences in the given order."""
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    norm = float(sum(s.num_loss_tokens for s in seqs))
+    padded = real = 0
+
+    def one_step() -> None:
+        nonlocal padded, real
+        opt.zero_grad()
+        for i in range(0, len(seqs), batch):
+            group = seqs[i : i + batch]
+            width = max(len(s) for s in group)
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            attn = torch.zeros(len(group), width, dtype=torch.long)
+            adv = torch.zeros(len(group), width)
+            mask = torch.zeros(len(group), width)
+            for b, s in enumerate(group):
+                n = len(s)
+                ids[b, :n] = torch.tensor(s.tokens)
+                attn[b, :n] = 1
+                adv[b, :n] = torch.tensor(s.advantages)
+                mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.float)
+            padded += ids.numel()
+            real += int(attn.sum())
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+            pg_loss(logp, adv[:, 1:], mask[:, 1:], norm).backward()
+        opt.step()
+
+    one_step()
+    padded = real = 0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        one_step()
+    return (time.perf_counter() - t0) / steps, 1 - real / padded
+
+
+async def swap_times(model_dir: str, repeats: int) -> dict[str, float]:
+    from engines.base import GenerateRequest, SamplingParams, WeightUpdate, collect
+    from engines.local import LocalEngine, LocalEngineConfig
+
+    engine = LocalEngine.load(LocalEngineConfig(model=str(model_dir)))
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    copies, idle, busy = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _ = {k: v.clone() for k, v in state.items()}
+        copies.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await engine.update_weights(WeightUpdate(state_dict=state))
+        idle.append(time.perf_counter() - t0)
+    for _ in range(repeats):
+        sp = SamplingParams(max_new_tokens=1500, ignore_eos=True)
+        reqs = [GenerateRequest(prompt_ids=tuple(range(1, 40 + i)), sampling=sp) for i in range(32)]
+        tasks = [asyncio.create_task(collect(engine, r)) for r in reqs]
+        while engine.stats.decode_steps < 1 or (await engine.health()).running < 32:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # let the sequences grow a few hundred tokens
+        t0 = time.perf_counter()
+        await engine.update_weights(WeightUpdate(state_dict=state))
+        busy.append(time.perf_counter() - t0)
+        for r in reqs:
+            await engine.abort(r.request_id)
+        await asyncio.gather(*tasks)
+    await engine.close()
+    return {
+        "copy": statistics.median(copies),
+        "idle": statistics.median(idle),
+        "busy": statistics.median(busy),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-size", default="test", choices=["test", "demo"])
+    ap.add_argument("--seqs", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--token-budget", type=int, default=1024)
+    args = ap.parse_args()
+
+    from transformers import AutoConfig
+
+    from engines.tiny_model import TINY_SIZES, tiny_model_dir
+
+    model_dir = str(tiny_model_dir(size=args.model_size))
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    seqs = make_sequences(args.seqs, vocab, seed=0)
+    tokens = sum(len(s) for s in seqs)
+    t_backend = backend_run(model_dir, seqs, args.steps, args.token_budget)
+    t_plain, waste = plain_run(model_dir, seqs, args.steps, batch=8)
+    swap = asyncio.run(swap_times(model_dir, repeats=3))
+    size = TINY_SIZES[args.model_size]
+    print(
+        f"\nmodel tiny-{args.model_size} (hidden {size.hidden_size}, "
+        f"{size.num_hidden_layers} layers), {args.seqs} sequences, {tokens} tokens per step, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads\n"
+    )
+    print("| trainer | s/step | tokens/s | padding waste |")
+    print("|---|---:|---:|---:|")
+    print(
+        f"| FSDP backend, packed (budget {args.token_budget}) | {t_backend:.2f} | "
+        f"{tokens / t_backend:.0f} | 0% |"
+    )
+    print(
+        f"| plain torch loop, padded batches of 8 | {t_plain:.2f} | {tokens / t_plain:.0f} | "
+        f"{100 * waste:.0f}% |"
+    )
+    print(f"\nbackend / plain throughput: {t_plain / t_backend:.2f}x\n")
+    print("| hot-swap | ms |")
+    print("|---|---:|")
+    print(f"| copy the state dict (clone) | {1000 * swap['copy']:.1f} |")
+    print(f"| update_weights, idle engine | {1000 * swap['idle']:.1f} |")
+    print(
+        f"| update_weights, 32 generations in flight (KV recomputed) | {1000 * swap['busy']:.1f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
