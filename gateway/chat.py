@@ -28,7 +28,7 @@ from gateway.chat_render import (
     parse_tool_calls,
     tool_call_json,
 )
-from gateway.choices import ChoiceRun, TokenPieces, chat_logprobs
+from gateway.choices import ChoiceRun, RunGroup, TokenPieces, chat_logprobs
 from gateway.detok import IncrementalDecoder
 from gateway.errors import BadRequest
 from gateway.openai_types import ChatCompletionRequest, NamedToolChoice
@@ -307,17 +307,9 @@ class _Turn:
         return f"data: {json.dumps(body)}\n\n"
 
     async def stream(self) -> AsyncIterator[str]:
-        queue: asyncio.Queue[ChoiceRun | None] = asyncio.Queue()
         sent_text = [0] * len(self.runs)
         sent_tokens = [0] * len(self.runs)
-        tasks: list[asyncio.Task[None]] = []
-
-        async def drive(run: ChoiceRun) -> None:
-            try:
-                await run.run(on_progress=queue.put_nowait)
-            finally:
-                queue.put_nowait(None)
-
+        group = RunGroup(self.runs)
         finished = False
         try:
             for run in self.runs:
@@ -331,18 +323,10 @@ class _Turn:
                         }
                     ]
                 )
-            tasks = [asyncio.create_task(drive(r)) for r in self.runs]
-            remaining = len(self.runs)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                    continue
+            async for item in group.progress():
                 delta = self._delta(item, sent_text, sent_tokens)
                 if delta is not None:
                     yield self._chunk([delta])
-            for t in tasks:
-                t.result()  # surface an engine failure
             choices = [self._choice_json(r) for r in self.runs]
             await self._commit(choices, aborted=False)
             finished = True
@@ -370,17 +354,16 @@ class _Turn:
                 yield self._chunk([], usage=self._usage())
             yield "data: [DONE]\n\n"
         finally:
-            for t in tasks:
-                t.cancel()
+            group.cancel()
             if not finished:
                 # The server cancels a response whose client left through an anyio cancel scope,
                 # which would cancel these awaits too: shield them, the turn must be recorded.
                 with anyio.CancelScope(shield=True):
-                    await self._abort_commit(tasks)
+                    await self._abort_commit(group)
 
-    async def _abort_commit(self, tasks: list[asyncio.Task[None]]) -> None:
+    async def _abort_commit(self, group: RunGroup) -> None:
         """The client went away (or the engine failed): keep what was generated, marked aborted."""
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await group.settle()
         if any(r.ids for r in self.runs):
             for r in self.runs:
                 r.mark_aborted()

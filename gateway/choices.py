@@ -3,6 +3,7 @@ the exact sampled ids, behaviour logprobs and versions (truncated where a stop s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
@@ -69,6 +70,43 @@ class ChoiceRun:
         if self.first_token_at is None:
             return None
         return (self.first_token_at - self.started) * 1000
+
+
+class RunGroup:
+    """Drives a request's choices concurrently and reports each run whenever it has new tokens
+    (the streaming routes turn these into SSE chunks)."""
+
+    def __init__(self, runs: list[ChoiceRun]) -> None:
+        self.runs = runs
+        self._queue: asyncio.Queue[ChoiceRun | None] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def _drive(self, run: ChoiceRun) -> None:
+        try:
+            await run.run(on_progress=self._queue.put_nowait)
+        finally:
+            self._queue.put_nowait(None)
+
+    async def progress(self) -> AsyncIterator[ChoiceRun]:
+        """Start every run; yield runs as they progress; re-raise a run's failure at the end."""
+        self._tasks = [asyncio.create_task(self._drive(r)) for r in self.runs]
+        remaining = len(self.runs)
+        while remaining:
+            run = await self._queue.get()
+            if run is None:
+                remaining -= 1
+                continue
+            yield run
+        for t in self._tasks:
+            t.result()
+
+    def cancel(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+
+    async def settle(self) -> None:
+        """Wait until every run has stopped (after `cancel`), whatever it raised."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -18,7 +18,7 @@ import anyio
 from engines.base import Engine
 from gateway.chat import choice_requests, sampling_params
 from gateway.chat_render import ChatRenderer
-from gateway.choices import ChoiceRun, TokenPieces, completion_logprobs
+from gateway.choices import ChoiceRun, RunGroup, TokenPieces, completion_logprobs
 from gateway.detok import IncrementalDecoder
 from gateway.errors import BadRequest
 from gateway.openai_types import CompletionRequest
@@ -208,25 +208,11 @@ class _CompletionTurn:
         return f"data: {json.dumps(body)}\n\n"
 
     async def stream(self) -> AsyncIterator[str]:
-        queue: asyncio.Queue[ChoiceRun | None] = asyncio.Queue()
         sent = [0] * len(self.runs)
-        tasks: list[asyncio.Task[None]] = []
-
-        async def drive(run: ChoiceRun) -> None:
-            try:
-                await run.run(on_progress=queue.put_nowait)
-            finally:
-                queue.put_nowait(None)
-
+        group = RunGroup(self.runs)
         finished = False
         try:
-            tasks = [asyncio.create_task(drive(r)) for r in self.runs]
-            remaining = len(self.runs)
-            while remaining:
-                run = await queue.get()
-                if run is None:
-                    remaining -= 1
-                    continue
+            async for run in group.progress():
                 text = run.decoder.safe_text()
                 if len(text) > sent[run.index]:
                     yield self._chunk(
@@ -240,8 +226,6 @@ class _CompletionTurn:
                         ]
                     )
                     sent[run.index] = len(text)
-            for t in tasks:
-                t.result()
             await self._commit(aborted=False)
             finished = True
             for run in self.runs:
@@ -260,9 +244,8 @@ class _CompletionTurn:
                 yield self._chunk([], usage=self._usage())
             yield "data: [DONE]\n\n"
         finally:
-            for t in tasks:
-                t.cancel()
+            group.cancel()
             if not finished:
                 with anyio.CancelScope(shield=True):  # see gateway/chat.py: record it anyway
-                    await asyncio.gather(*tasks, return_exceptions=True)
+                    await group.settle()
                     await self._commit(aborted=True)
