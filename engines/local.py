@@ -321,13 +321,15 @@ class LocalEngine:
         self._compact()
         for upd in updates:
             self._apply_update(upd)
-        for seq in admitted:
-            seq.slot = len(self._running)
-            self._running.append(seq)
-            logits_V = self.runner.prefill(seq.slot, seq.tokens)
-            self.stats.prefills += 1
-            self.stats.prefill_tokens += len(seq.tokens)
-            self._sample([seq], logits_V[None], out)
+        for group in _prefill_groups(admitted, PREFILL_TOKEN_BUDGET):
+            first = len(self._running)
+            for i, seq in enumerate(group):
+                seq.slot = first + i
+                self._running.append(seq)
+            logits_BV = self.runner.prefill_batch(first, [seq.tokens for seq in group])
+            self.stats.prefills += len(group)
+            self.stats.prefill_tokens += sum(len(seq.tokens) for seq in group)
+            self._sample(group, logits_BV, out)
         self._compact()
         if self._running:
             batch = list(self._running)
@@ -472,6 +474,25 @@ class LocalEngine:
         with self._cv:
             self._live.clear()
         out.flush()
+
+
+PREFILL_TOKEN_BUDGET = 8192
+"""Padded tokens (batch x longest prompt) per prefill forward."""
+
+
+def _prefill_groups(seqs: list[_Seq], budget: int) -> list[list[_Seq]]:
+    """Consecutive groups of new sequences whose padded prefill fits `budget` tokens."""
+    groups: list[list[_Seq]] = []
+    longest = 0
+    for seq in seqs:
+        n = len(seq.tokens)
+        if groups and max(longest, n) * (len(groups[-1]) + 1) <= budget:
+            groups[-1].append(seq)
+            longest = max(longest, n)
+        else:
+            groups.append([seq])
+            longest = n
+    return groups
 
 
 class _Outbox:

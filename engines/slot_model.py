@@ -153,6 +153,43 @@ class SlotModel:
         return logits_V
 
     @torch.inference_mode()
+    def prefill_batch(self, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
+        """Prefill fresh sequences into slots first_slot, first_slot + 1, ... in one forward
+        (right-padded to the longest); return each one's last-position logits [B, V]. Keys and
+        values past a sequence's end are padding: decode masks them by position and overwrites
+        them as the sequence grows."""
+        assert prompts, "prefill needs at least one sequence"
+        assert all(prompts), "prefill needs at least one token per sequence"
+        B, dev = len(prompts), self.device
+        lens_B = torch.tensor([len(p) for p in prompts], device=dev)
+        T = int(lens_B.max())
+        self._ensure_capacity(T)
+        ids_BT = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            ids_BT[b, : len(p)] = torch.tensor(p, device=dev)
+        pos_T = torch.arange(T, device=dev)
+        x = self.inner.embed_tokens(ids_BT)
+        cos, sin = self.inner.rotary_emb(x, pos_T[None].expand(B, T))
+        causal_TT = pos_T[None, :] <= pos_T[:, None]
+        valid_BT = pos_T[None, :] < lens_B[:, None]
+        mask_B1TT = (causal_TT[None] & valid_BT[:, None, :])[:, None]
+        rows = slice(first_slot, first_slot + B)
+        for li, layer in enumerate(self.inner.layers):
+            kb, vb = self.k[li], self.v[li]
+
+            def cache(
+                k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor = kb, vb: torch.Tensor = vb
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+                kb[rows, :, :T] = k
+                vb[rows, :, :T] = v
+                return k, v
+
+            x = self._layer(layer, x, cos, sin, mask_B1TT, cache)
+        last_BE = x[torch.arange(B, device=dev), lens_B - 1]
+        logits_BV: torch.Tensor = self.model.lm_head(self.inner.norm(last_BE)).float()
+        return logits_BV
+
+    @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """One decode step for the sequences in slots 0..B-1: feed token_ids[b] at positions[b]
         of slot b, cache its keys/values, and return logits [B, V]."""

@@ -59,6 +59,25 @@ def test_prefill_extend_and_batched_decode_match_the_model(kind: str) -> None:
     assert torch.allclose(logits, _ref_logits(model, seqs[2][:31])[-1], atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+def test_batched_prefill_of_uneven_prompts_matches_the_model(kind: str) -> None:
+    model = _model(kind)
+    runner = SlotModel(model, max_slots=6, max_model_len=512)
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (3, 17, 1, 9)]
+    logits = runner.prefill_batch(2, [s[:-1] or s for s in seqs])
+    for b, seq in enumerate(seqs):
+        prompt = seq[:-1] or seq
+        assert torch.allclose(logits[b], _ref_logits(model, prompt)[-1], atol=1e-5)
+    # decoding continues from the batched prefill, slot by slot, past the padding
+    logits = runner.decode(
+        [0, 0] + [s[-1] for s in seqs], [0, 0] + [len(s[:-1] or s) for s in seqs]
+    )
+    for b, seq in enumerate(seqs):
+        full = (seq[:-1] or seq) + [seq[-1]]
+        assert torch.allclose(logits[2 + b], _ref_logits(model, full)[-1], atol=1e-5)
+
+
 def test_buffers_grow_and_slots_move() -> None:
     model = _model("qwen2")
     runner = SlotModel(model, max_slots=2, max_model_len=400)
