@@ -117,6 +117,8 @@ class LocalEngine:
         self.runner = SlotModel(model, max_slots=config.max_batch, max_model_len=self.max_model_len)
         self.eos_token_ids = eos_token_ids
         self.stats = EngineStats()
+        self._rng = torch.Generator(device=self.runner.device)
+        self._rng.manual_seed(secrets.randbits(63))
         self._version = 0
         self._cv = threading.Condition()
         self._waiting: list[_Seq] = []
@@ -207,11 +209,10 @@ class LocalEngine:
         stops = frozenset(sp.stop_token_ids) | (
             frozenset() if sp.ignore_eos else self.eos_token_ids
         )
-        generator = None
-        if sp.temperature > 0:
+        generator = None  # unseeded rows are drawn together from the engine's generator
+        if sp.temperature > 0 and sp.seed is not None:
             generator = torch.Generator(device=self.runner.device)
-            seed = sp.seed if sp.seed is not None else secrets.randbits(63)
-            generator.manual_seed(seed % 2**64)
+            generator.manual_seed(sp.seed % 2**64)
         return _Seq(
             request=request,
             tokens=list(request.prompt_ids),
@@ -365,6 +366,7 @@ class LocalEngine:
             draw_BV,
             greedy_B=[sp.temperature == 0 for sp in sps],
             generators=[s.generator for s in batch],
+            shared=self._rng,
         )
         chosen_B = logp_BV.gather(-1, tokens_B[:, None])[:, 0]
         k = max(sp.top_logprobs for sp in sps)

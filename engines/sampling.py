@@ -43,15 +43,22 @@ def sample(
     *,
     greedy_B: list[bool],
     generators: list[torch.Generator | None],
+    shared: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """One token per row: argmax for greedy rows, else a draw from `softmax(logp)` with the row's
-    own generator (so a seeded request samples the same tokens whatever batch it shares)."""
+    """One token per row: argmax for greedy rows; a draw from `softmax(logp)` with the row's own
+    generator for seeded rows (so a seeded request samples the same tokens whatever batch it
+    shares); one batched draw with `shared` for the unseeded rows."""
     out_B = logp_BV.argmax(dim=-1)
-    probs_BV = None
-    for b, (greedy, gen) in enumerate(zip(greedy_B, generators, strict=True)):
-        if greedy:
-            continue
-        if probs_BV is None:
-            probs_BV = logp_BV.exp()
-        out_B[b] = torch.multinomial(probs_BV[b], 1, generator=gen)[0]
+    free = [b for b, (g, gen) in enumerate(zip(greedy_B, generators, strict=True)) if not g]
+    if not free:
+        return out_B
+    probs_BV = logp_BV.exp()
+    unseeded = [b for b in free if generators[b] is None]
+    if unseeded:
+        rows = torch.tensor(unseeded, device=logp_BV.device)
+        out_B[rows] = torch.multinomial(probs_BV[rows], 1, generator=shared)[:, 0]
+    for b in free:
+        gen = generators[b]
+        if gen is not None:
+            out_B[b] = torch.multinomial(probs_BV[b], 1, generator=gen)[0]
     return out_B

@@ -67,14 +67,20 @@ def test_greedy_rows_take_the_argmax_and_seeded_rows_are_reproducible() -> None:
     assert draw() == first
 
 
-def test_sampling_follows_the_distribution() -> None:
+@pytest.mark.parametrize("seeded", [True, False], ids=["own-generator", "shared-generator"])
+def test_sampling_follows_the_distribution(seeded: bool) -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logp = probs.log()[None]
+    n = 4000
     gen = torch.Generator().manual_seed(0)
     counts = torch.zeros(4)
-    n = 4000
-    for _ in range(n):
-        counts[sample(logp, greedy_B=[False], generators=[gen])[0]] += 1
+    if seeded:
+        logp = probs.log()[None]
+        for _ in range(n):
+            counts[sample(logp, greedy_B=[False], generators=[gen])[0]] += 1
+    else:  # unseeded rows are drawn in one batched call
+        logp = probs.log()[None].expand(n, 4)
+        out = sample(logp, greedy_B=[False] * n, generators=[None] * n, shared=gen)
+        counts = torch.bincount(out, minlength=4).float()
     # 4-sigma binomial bounds on every bucket
     sigma = (probs * (1 - probs) / n).sqrt()
     assert ((counts / n - probs).abs() <= 4 * sigma).all(), counts / n
