@@ -28,7 +28,7 @@ from gateway.chat_render import (
     parse_tool_calls,
     tool_call_json,
 )
-from gateway.choices import ChoiceRun, RunGroup, TokenPieces, chat_logprobs
+from gateway.choices import ChoiceRun, RunGroup, TokenPieces, chat_logprobs, sse_chunk
 from gateway.detok import IncrementalDecoder
 from gateway.errors import BadRequest
 from gateway.openai_types import ChatCompletionRequest, NamedToolChoice
@@ -267,7 +267,7 @@ class _Turn:
             "n": self.body.n,
         }
         request = self.body.model_dump(mode="json", exclude_none=True)
-        await self.s.recorder.commit_shielded(self.plan, outcomes, sampling, request)
+        await self.s.recorder.commit(self.plan, outcomes, sampling, request)
 
     def _release(self) -> None:
         if self.plan is not None and self.s.recorder is not None and not self.committed:
@@ -295,16 +295,14 @@ class _Turn:
     # -- streaming ---------------------------------------------------------------------------
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.s.model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
+        return sse_chunk(
+            "chat.completion.chunk",
+            id=self.id,
+            created=self.created,
+            model=self.s.model_name,
+            choices=choices,
+            usage=usage,
+        )
 
     async def stream(self) -> AsyncIterator[str]:
         sent_text = [0] * len(self.runs)

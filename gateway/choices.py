@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -70,6 +71,28 @@ class ChoiceRun:
         if self.first_token_at is None:
             return None
         return (self.first_token_at - self.started) * 1000
+
+
+def sse_chunk(
+    obj: str,
+    *,
+    id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, int] | None = None,
+) -> str:
+    """One server-sent event of an OpenAI stream (`chat.completion.chunk`, `text_completion`)."""
+    body: dict[str, Any] = {
+        "id": id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return f"data: {json.dumps(body)}\n\n"
 
 
 class RunGroup:

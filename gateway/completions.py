@@ -7,7 +7,6 @@ tokens are right there in the prompt); anything else opens a segment.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +17,7 @@ import anyio
 from engines.base import Engine
 from gateway.chat import choice_requests, sampling_params
 from gateway.chat_render import ChatRenderer
-from gateway.choices import ChoiceRun, RunGroup, TokenPieces, completion_logprobs
+from gateway.choices import ChoiceRun, RunGroup, TokenPieces, completion_logprobs, sse_chunk
 from gateway.detok import IncrementalDecoder
 from gateway.errors import BadRequest
 from gateway.openai_types import CompletionRequest
@@ -172,7 +171,7 @@ class _CompletionTurn:
                         ttft_ms=r.ttft_ms,
                     )
                 )
-            await recorder.commit_shielded(plan, outcomes, sampling, request)
+            await recorder.commit(plan, outcomes, sampling, request)
 
     def _release(self) -> None:
         if not self.done:
@@ -196,16 +195,14 @@ class _CompletionTurn:
         }
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.s.model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
+        return sse_chunk(
+            "text_completion",
+            id=self.id,
+            created=self.created,
+            model=self.s.model_name,
+            choices=choices,
+            usage=usage,
+        )
 
     async def stream(self) -> AsyncIterator[str]:
         sent = [0] * len(self.runs)

@@ -101,7 +101,17 @@ class Recorder:
         request: dict[str, Any],
     ) -> None:
         """Write every choice in one transaction, then advance the live segments. On failure
-        nothing is written and the plan is released."""
+        nothing is written and the plan is released. Completes even if the caller is cancelled
+        (a client that went away): the turn is recorded all the same."""
+        await asyncio.shield(self._commit(plan, outcomes, sampling, request))
+
+    async def _commit(
+        self,
+        plan: Plan,
+        outcomes: list[ChoiceOutcome],
+        sampling: dict[str, Any],
+        request: dict[str, Any],
+    ) -> None:
         records = [
             CompletionRecord(
                 id=o.completion_id,
@@ -135,13 +145,3 @@ class Recorder:
             t.segment.tokens = plan.prompt_ids + o.output_ids
             t.segment.transcript = o.transcript
             t.segment.busy = False
-
-    async def commit_shielded(
-        self,
-        plan: Plan,
-        outcomes: list[ChoiceOutcome],
-        sampling: dict[str, Any],
-        request: dict[str, Any],
-    ) -> None:
-        """`commit` that completes even if the caller is cancelled (a client that went away)."""
-        await asyncio.shield(self.commit(plan, outcomes, sampling, request))
