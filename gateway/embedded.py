@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +30,15 @@ class EmbeddedTrainer:
 
     @classmethod
     async def start(
-        cls, cfg: TrainConfig, c: Components, settings: GatewaySettings
+        cls,
+        cfg: TrainConfig,
+        c: Components,
+        settings: GatewaySettings,
+        *,
+        report: Callable[[dict[str, Any]], None] | None = None,
     ) -> EmbeddedTrainer:
+        """Start training `cfg.run` (a new run when empty); `report` receives each step's
+        metrics (default: a line on stdout)."""
         from engines.tiny_model import tiny_model_dir
         from trainer.backends.registry import build_backend
         from trainer.loop import Trainer
@@ -49,7 +57,9 @@ class EmbeddedTrainer:
             reference = await asyncio.to_thread(
                 build_backend, cfg.backend_config(str(Path(model_dir)))
             )
-        trainer = Trainer(cfg, c.store, backend, LocalPublisher(c.engine), reference=reference)
+        trainer = Trainer(
+            cfg, c.store, backend, LocalPublisher(c.engine), reference=reference, report=report
+        )
         await trainer.resume()
         stop = asyncio.Event()
         task = asyncio.create_task(trainer.run(stop), name="rlgateway-trainer")
