@@ -118,15 +118,10 @@ async def iter_sessions(
                 return
             ids = [k.id for k in keys]
             loaded = await load_sessions(s, ids)
-            transcripts: dict[str, JSON] = dict(
-                (
-                    await s.execute(
-                        select(SegmentRow.id, SegmentRow.transcript).where(
-                            SegmentRow.session_id.in_(ids)
-                        )
-                    )
-                ).tuples()
+            found = await s.execute(
+                select(SegmentRow.id, SegmentRow.transcript).where(SegmentRow.session_id.in_(ids))
             )
+            transcripts: dict[str, JSON] = {sid: t for sid, t in found}
         for sid in ids:
             if sid in loaded:
                 yield loaded[sid], transcripts
