@@ -44,7 +44,9 @@ class App:
     app: FastAPI
 
     async def run(self, config: dict[str, Any] | None = None, name: str = "t") -> dict[str, Any]:
-        r = await self.http.post("/runs", json={"name": name, "config": config or {}}, headers=ADMIN)
+        r = await self.http.post(
+            "/runs", json={"name": name, "config": config or {}}, headers=ADMIN
+        )
         assert r.status_code == 201, r.text
         out: dict[str, Any] = r.json()
         return out

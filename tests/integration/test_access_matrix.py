@@ -148,7 +148,8 @@ async def test_every_route_for_every_kind_of_key(
                     keys["run_a"] = bearer(r.json()["api_key"])
                 # nothing of A is revealed to B: the message of a denial names no session data
                 if who in ("run_b", "session_b"):
-                    assert "api_key" not in r.text and "segments" not in r.text
+                    assert "api_key" not in r.text
+                    assert "segments" not in r.text
 
         # run B's data is untouched by all of this, and A is gone (deleted by the admin last)
         b = (await c.http.get(f"/runs/{run_b['id']}/sessions", headers=keys["run_b"])).json()
@@ -179,14 +180,14 @@ async def test_denied_writes_leave_no_trace(
             await c.http.delete(f"/runs/{run_a['id']}", headers=h)
             await c.http.post(f"/sessions/{sess_a['id']}/v1/chat/completions", json=CHAT, headers=h)
         d = await c.store.session_detail(sess_a["id"])
-        assert d.rewards == [] and d.info.status.value == "active"
+        assert d.rewards == []
+        assert d.info.status.value == "active"
         assert [s.completion_ids for s in d.segments] == [[first["id"]]]
         run = await c.store.get_run(run_a["id"])
         assert run.status == "active"
-        page, total = await c.store.list_sessions(
-            run_a["id"], __import__("store.types").types.SessionFilter()
-        )
-        assert total == 1 and page[0].info.id == sess_a["id"]
+        page, total = await c.store.list_sessions(run_a["id"], SessionFilter())
+        assert total == 1
+        assert page[0].info.id == sess_a["id"]
 
 
 @pytest.mark.parametrize("header", ["authorization", "x-api-key"])

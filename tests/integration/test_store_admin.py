@@ -32,7 +32,7 @@ async def session_with_turns(
     sid = new.info.id
     length = 0
     for t, vs in enumerate(versions):
-        prompt = list(range(length)) + [7, 8]
+        prompt = [*list(range(length)), 7, 8]
         await store.record_completions(
             [
                 rec(
@@ -103,7 +103,8 @@ async def test_run_keys_are_hashed_replaceable_and_scoped(store: Store, store_ur
         stored = (
             await conn.execute(text("SELECT key_hash FROM runs WHERE id = :r"), {"r": run.id})
         ).scalar_one()
-    assert key not in stored and len(stored) == 64  # only the digest is kept
+    assert key not in stored
+    assert len(stored) == 64
     newer = await store.new_run_key(run.id)
     assert await store.run_for_key(key) is None
     assert (await store.run_for_key(newer)).id == run.id  # type: ignore[union-attr]
@@ -138,7 +139,9 @@ async def test_delete_run_removes_every_row_of_it_and_nothing_else(
     ]
     await store.record_step(run.id, 1, version=1, metrics={"loss": 1.0})
     counts = await table_counts(store_url, run.id)
-    assert counts["sessions"] == 3 and counts["completions"] == 6 and counts["rewards"] == 3
+    assert counts["sessions"] == 3
+    assert counts["completions"] == 6
+    assert counts["rewards"] == 3
     assert sorted(await store.delete_run(run.id)) == sorted(ids)
     after = await table_counts(store_url, run.id)
     for table in ("runs", "sessions", "segments", "completions", "rewards", "train_steps"):
@@ -166,11 +169,13 @@ async def test_training_steps_time_series(store: Store) -> None:
     rows = await store.list_steps(run.id)
     assert [r.step for r in rows] == [1, 2, 3]
     assert rows[0].metrics == {"loss": 1.0, "reward_mean": 0.1, "bad": None}
-    assert rows[2].metrics == {"loss": 0.25} and rows[2].checkpoint is None
+    assert rows[2].metrics == {"loss": 0.25}
+    assert rows[2].checkpoint is None
     assert [r.step for r in await store.list_steps(run.id, after=1)] == [2, 3]
     other = await store.create_run("no steps", {})
     latest = await store.latest_steps([run.id, other.id])
-    assert set(latest) == {run.id} and latest[run.id].step == 3
+    assert set(latest) == {run.id}
+    assert latest[run.id].step == 3
     with pytest.raises(NotFoundError):
         await store.record_step("run_nope", 1, version=1, metrics={})
 
@@ -207,8 +212,11 @@ async def test_session_filters_and_pages(store: Store) -> None:
     assert await ids(group_id="g") == {high}
     assert await ids(train_state=TrainState.PENDING) == {low, mid, high, live}
     page, total = await store.list_sessions(run.id, SessionFilter(), limit=3)
-    assert total == 4 and [s.info.id for s in page] == [live, high, mid]  # newest first
-    assert page[1].reward == 3.0 and page[1].turns == 2 and page[0].reward is None
+    assert total == 4
+    assert [s.info.id for s in page] == [live, high, mid]
+    assert page[1].reward == 3.0
+    assert page[1].turns == 2
+    assert page[0].reward is None
     rest, _ = await store.list_sessions(run.id, SessionFilter(), limit=3, offset=3)
     assert [s.info.id for s in rest] == [low]
     with pytest.raises(ValueError, match="limit"):
