@@ -102,7 +102,7 @@ class GatewayMetrics:
         self.engine_version.set(h.version)
         self.engine_running.set(h.running)
         self.engine_waiting.set(h.waiting)
-        runs = [r.run for r in await store.list_runs() if r.run.status != RunStatus.STOPPED]
+        runs = await store.unstopped_runs()
         latest = await store.latest_steps([r.id for r in runs])
         self.run_paused.clear()
         for g in self.trainer.values():

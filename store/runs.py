@@ -66,9 +66,19 @@ async def list_runs(db: Database) -> list[RunSummary]:
         ]
 
 
+async def unstopped_runs(db: Database) -> list[Run]:
+    """Runs that are active or paused (what `/metrics` reports on), newest first."""
+    async with db.read() as s:
+        rows = await s.scalars(
+            select(RunRow)
+            .where(RunRow.status != RunStatus.STOPPED.value)
+            .order_by(RunRow.created_at.desc(), RunRow.id)
+        )
+        return [run_from_row(r) for r in rows]
+
+
 async def set_status(db: Database, run_id: str, status: RunStatus) -> Run:
-    """Set the run's status. A stopped run stays stopped (ConflictError-free: it is a no-op
-    request the route refuses before calling)."""
+    """Set the run's status (any transition: the API refuses to restart a stopped run)."""
     async with db.write() as s:
         await s.execute(update(RunRow).where(RunRow.id == run_id).values(status=status.value))
         row = await s.get(RunRow, run_id)

@@ -85,6 +85,10 @@ class Store:
         """Every run, newest first, with its session counts and newest training step."""
         return await runs.list_runs(self._db)
 
+    async def unstopped_runs(self) -> list[Run]:
+        """Runs that are active or paused, newest first (no counts: cheap)."""
+        return await runs.unstopped_runs(self._db)
+
     async def set_run_status(self, run_id: str, status: RunStatus) -> Run:
         """Set what the trainer obeys (active, paused, stopped). NotFoundError if unknown."""
         return await runs.set_status(self._db, run_id, status)

@@ -232,6 +232,9 @@ async def test_training_series_versions_engines_and_prometheus(
         r = await c.http.post(f"/runs/{run['id']}/sessions", json={"count": 5}, headers=ADMIN)
         assert r.status_code == 429
         await c.http.post(f"/runs/{run['id']}/pause", headers=ADMIN)
+        done = await c.run()
+        await c.store.record_step(done["id"], 1, version=1, metrics={"step_seconds": 1.0})
+        await c.http.post(f"/runs/{done['id']}/stop", headers=ADMIN)
 
         r = await c.http.get("/metrics", headers=ADMIN)
         assert r.status_code == 200
@@ -270,6 +273,7 @@ async def test_training_series_versions_engines_and_prometheus(
         key = f'rlgateway_http_request_duration_seconds_count{{method="POST",route="{chat_route}"}}'
         assert samples[key] == 2
         assert not any(s["id"] in k for k in samples)  # ids never become labels
+        assert not any(done["id"] in k for k in samples)  # stopped runs drop out
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
