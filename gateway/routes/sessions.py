@@ -6,15 +6,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field, field_validator
 
 from gateway.app import Gateway, GatewayDep
 from gateway.auth import resolve
-from gateway.routes.access import AdminDep
+from gateway.routes.access import DOC_BEARER, AdminDep
 from gateway.views import detail_json, info_json
 
-router = APIRouter(tags=["sessions"])
+router = APIRouter(tags=["sessions"], dependencies=[Depends(DOC_BEARER)])
 
 
 def _finite_reward(v: float) -> float:
