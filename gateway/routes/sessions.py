@@ -4,10 +4,10 @@ the admin token), and a reward set by hand (admin)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field
 
 from gateway.app import Gateway, GatewayDep
 from gateway.auth import resolve
@@ -23,22 +23,21 @@ def _finite_reward(v: float) -> float:
     return v
 
 
+Reward = Annotated[float, AfterValidator(_finite_reward)]
+
+
 class RewardIn(BaseModel):
-    reward: float
+    reward: Reward
     completion_id: str | None = None
     """The turn this reward is for; omit it for the episode's final reward."""
     key: str | None = Field(None, max_length=200)
     """Idempotency key: posting the same key and value again changes nothing."""
 
-    _finite = field_validator("reward")(lambda v: _finite_reward(v))
-
 
 class RewardSet(BaseModel):
-    reward: float
+    reward: Reward
     completion_id: str | None = None
     """The turn whose reward is set; omit it to set the episode's final reward."""
-
-    _finite = field_validator("reward")(lambda v: _finite_reward(v))
 
 
 async def _gamma(gw: Gateway, run_id: str) -> float:
