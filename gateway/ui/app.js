@@ -52,7 +52,12 @@ function showError(err) {
 // --- runs list --------------------------------------------------------------------------------
 
 async function runsPage() {
-  const data = await api("GET", "/runs");
+  const [data, eng] = await Promise.all([api("GET", "/runs"), api("GET", "/engines")]);
+  const engines = el("table", { testid: "engines" },
+    el("tr", {}, ...["engine", "ok", "paused", "version", "running", "waiting"].map((h) => el("th", {}, h))),
+    ...eng.engines.map((e) => el("tr", { testid: "engine-row" }, el("td", {}, e.name), el("td", {}, e.ok ? "yes" : "no"),
+      el("td", {}, e.paused ? "yes" : "no"), el("td", { testid: "engine-version" }, e.version),
+      el("td", {}, e.running), el("td", {}, e.waiting))));
   const rows = data.runs.map((r) =>
     el("tr", { class: "link", testid: "run-row", "data-run": r.id, onclick: () => (location.hash = "#/runs/" + r.id) },
       el("td", {}, r.name), el("td", { class: "mono" }, r.id), el("td", {}, statusBadge(r.status)),
@@ -63,7 +68,8 @@ async function runsPage() {
     el("h1", {}, "Runs"),
     rows.length ? el("table", { testid: "runs" },
       el("tr", {}, ...["name", "id", "status", "sessions", "active", "rewarded", "trained", "step", "created"].map((h) => el("th", {}, h))),
-      ...rows) : el("p", {}, "No runs yet: create one with POST /runs."));
+      ...rows) : el("p", {}, "No runs yet: create one with POST /runs."),
+    el("h2", {}, "Engines"), engines);
 }
 
 // --- run page ---------------------------------------------------------------------------------
@@ -80,7 +86,8 @@ async function runPage(runId) {
   const filters = filterForm(runId, sessions);
   const controls = el("div", { class: "buttons" },
     ...["pause", "resume", "stop"].map((action) =>
-      el("button", { testid: action, onclick: () => runAction(runId, action) }, action[0].toUpperCase() + action.slice(1))));
+      el("button", { testid: action, onclick: () => runAction(runId, action) }, action[0].toUpperCase() + action.slice(1))),
+    el("button", { testid: "export", onclick: () => exportRun(runId).catch(showError) }, "Export JSONL"));
   view().replaceChildren(
     el("h1", {}, run.name, " ", statusBadge(run.status)),
     el("dl", { class: "kv" }, el("dt", {}, "id"), el("dd", { class: "mono", testid: "run-id" }, run.id),
@@ -103,6 +110,18 @@ async function runAction(runId, action) {
   } catch (err) {
     document.getElementById("action-error").textContent = err.message;
   }
+}
+
+// The export needs the bearer header, so it is fetched and handed to the browser as a file.
+async function exportRun(runId) {
+  const r = await fetch(`/runs/${runId}/export`, { headers: { Authorization: "Bearer " + token() } });
+  if (!r.ok) throw new ApiError(r.status, "export failed: " + r.statusText);
+  const url = URL.createObjectURL(await r.blob());
+  const a = el("a", { href: url, download: runId + ".jsonl" });
+  document.body.appendChild(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10000);
 }
 
 function filterForm(runId, target) {

@@ -124,7 +124,8 @@ def test_page_shows_a_run_opens_a_trajectory_pauses_and_sets_a_reward(
                 token = page.evaluate("sessionStorage.getItem('rlgateway.adminToken')")
                 assert token == gw.admin_token
 
-                # the runs list holds the run this test created
+                # the runs list holds the run this test created, beside the engine's state
+                expect(page.get_by_test_id("engine-version")).to_have_text("0")
                 row = page.locator(f'[data-testid="run-row"][data-run="{run_id}"]')
                 expect(row).to_contain_text("ui-e2e")
                 row.click()
@@ -135,6 +136,12 @@ def test_page_shows_a_run_opens_a_trajectory_pauses_and_sets_a_reward(
                 expect(page.get_by_test_id("chart-loss").locator("polyline")).to_have_count(1)
                 rows = page.get_by_test_id("session-row")
                 expect(rows).to_have_count(2)
+                # the export button downloads the run's JSONL
+                with page.expect_download() as download:
+                    page.get_by_test_id("export").click()
+                lines = Path(download.value.path()).read_text().splitlines()
+                exported = sorted(json.loads(x)["session_id"] for x in lines)
+                assert exported == sorted([first["id"], second["id"]])
 
                 # open the trajectory with the tool result
                 page.locator(f'[data-testid="session-row"][data-session="{first["id"]}"]').click()
