@@ -24,6 +24,7 @@ from gateway.chat import ChatService
 from gateway.chat_render import ChatRenderer
 from gateway.completions import CompletionService
 from gateway.errors import PayloadTooLarge, error_body, install_error_handlers
+from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.recorder import Recorder
 from gateway.segments import SegmentTracker
 from gateway.settings import GatewaySettings
@@ -53,6 +54,7 @@ class Gateway:
     completions: CompletionService
     admission: Admission
     sessions: SessionDirectory
+    metrics: GatewayMetrics
 
     @property
     def store(self) -> Store:
@@ -63,9 +65,12 @@ class Gateway:
         return self.components.engine
 
 
-def build_gateway(settings: GatewaySettings, c: Components) -> Gateway:
+def build_gateway(
+    settings: GatewaySettings, c: Components, metrics: GatewayMetrics | None = None
+) -> Gateway:
+    metrics = metrics or GatewayMetrics()
     renderer = ChatRenderer(c.tokenizer, c.eos_token_ids)
-    recorder = Recorder(c.store, SegmentTracker(c.store))
+    recorder = Recorder(c.store, SegmentTracker(c.store), on_commit=metrics.observe_records)
     return Gateway(
         settings=settings,
         components=c,
@@ -75,6 +80,7 @@ def build_gateway(settings: GatewaySettings, c: Components) -> Gateway:
         completions=CompletionService(c.engine, renderer, recorder, c.model_name),
         admission=Admission(c.store),
         sessions=SessionDirectory(c.store),
+        metrics=metrics,
     )
 
 
@@ -157,13 +163,26 @@ def create_app(
 ) -> FastAPI:
     """`train` (a `trainer.config.TrainConfig`) runs the trainer in this process, publishing each
     new policy straight into the local engine (`rlgateway serve --train`)."""
-    from gateway.routes import admin, openai, runs, sessions
+    from gateway.routes import (
+        admin,
+        engines,
+        export,
+        openai,
+        prometheus,
+        run_sessions,
+        runs,
+        sessions,
+        training,
+        ui,
+    )
+
+    metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = components is None
         c = components if components is not None else await load_components(settings)
-        app.state.gateway = build_gateway(settings, c)
+        app.state.gateway = build_gateway(settings, c, metrics)
         embedded = None
         if train is not None:
             from gateway.embedded import EmbeddedTrainer
@@ -189,6 +208,8 @@ def create_app(
     app.include_router(runs.router)
     app.include_router(sessions.router)
     app.include_router(admin.router)
+    for r in (run_sessions, training, export, engines, prometheus, ui):
+        app.include_router(r.router)
 
     @app.get("/health", include_in_schema=False)
     async def health(gw: GatewayDep) -> dict[str, Any]:
@@ -202,6 +223,7 @@ def create_app(
         }
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=metrics)
     return app
 
 

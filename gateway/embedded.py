@@ -49,7 +49,11 @@ class EmbeddedTrainer:
                 "embedded", cfg.model_dump(mode="json", exclude={"run", "database_url"})
             )
             cfg = cfg.model_copy(update={"run": run.id})
-            print(f"training run {run.id} (create its sessions with POST /runs/{run.id}/sessions)")
+            key = await c.store.new_run_key(run.id)
+            print(
+                f"training run {run.id} (create its sessions with POST /runs/{run.id}/sessions; "
+                f"the run's agent key: {key})"
+            )
         model_dir = cfg.model or settings.model or str(tiny_model_dir())
         backend = await asyncio.to_thread(build_backend, cfg.backend_config(str(Path(model_dir))))
         reference = None

@@ -229,6 +229,8 @@ def _completion_row(
         output_ids=encode_i32(record.output_ids),
         logprobs=encode_f32(record.logprobs),
         versions=encode_i32(record.versions),
+        min_version=min(record.versions, default=None),
+        max_version=max(record.versions, default=None),
         finish_reason=record.finish_reason,
         status=record.status.value,
         sampling=record.sampling,
