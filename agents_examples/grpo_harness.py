@@ -5,13 +5,13 @@ rewards within a group), lets one agent answer in each session through the sessi
 and key, grades the answer and posts the reward, then ends the session. When the gateway's
 staleness control answers 429, it waits as long as Retry-After says and asks again.
 
-    export RLGATEWAY_ADMIN_TOKEN=...            # the gateway's admin token
-    python agents_examples/grpo_harness.py --gateway http://127.0.0.1:8000 \
-        --dataset tasks.jsonl --group-size 8 --concurrency 4 [--run RUN_ID]
+    export RLGATEWAY_API_KEY=rlr-...    # the run's key (from POST /runs), or the admin token
+    python agents_examples/grpo_harness.py --gateway http://127.0.0.1:8000 --run RUN_ID \
+        --dataset tasks.jsonl --group-size 8 --concurrency 4
 
 `tasks.jsonl` holds one {"prompt": ..., "answer": ...} per line (without --dataset: a few
-built-in "largest of four digits" tasks). Without --run a new run is created. Prints one JSON
-line per group and a final summary line.
+built-in "largest of four digits" tasks). Without --run a new run is created (that needs the
+admin token). Prints one JSON line per group and a final summary line.
 """
 
 from __future__ import annotations
@@ -87,9 +87,13 @@ class Harness:
 
 
 async def amain(args: argparse.Namespace, tasks: list[dict[str, str]]) -> None:
-    token = args.admin_token or os.environ.get("RLGATEWAY_ADMIN_TOKEN")
+    token = (
+        args.key or os.environ.get("RLGATEWAY_API_KEY") or os.environ.get("RLGATEWAY_ADMIN_TOKEN")
+    )
     if not token:
-        raise SystemExit("set RLGATEWAY_ADMIN_TOKEN (or --admin-token): sessions are admin calls")
+        raise SystemExit(
+            "set RLGATEWAY_API_KEY to the run's key (or --key): creating sessions needs it"
+        )
     run_id = args.run
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http:
         if run_id is None:
@@ -115,7 +119,7 @@ async def amain(args: argparse.Namespace, tasks: list[dict[str, str]]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gateway", required=True, help="the gateway's URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--admin-token", help="default: RLGATEWAY_ADMIN_TOKEN")
+    p.add_argument("--key", help="the run's key or the admin token (default: RLGATEWAY_API_KEY)")
     p.add_argument("--run", help="the run to add sessions to (default: a new run)")
     p.add_argument("--dataset", help="JSONL of {prompt, answer} (default: built-in tasks)")
     p.add_argument("--tasks", type=int, default=8, help="built-in tasks to make (default 8)")

@@ -83,7 +83,7 @@ class Agents:
         """Run workers until `stop` is set; groups already started are finished."""
         limits = httpx.Limits(max_connections=self.workers * self.group_size + 8)
         async with httpx.AsyncClient(base_url=self.url, timeout=120, limits=limits) as http:
-            openai = AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", http_client=http)
+            openai = AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=120)
             self._t0 = time.perf_counter()
             await asyncio.gather(
                 *(self._worker(w, http, openai, stop) for w in range(self.workers))

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import socket
 import time
@@ -131,10 +130,13 @@ async def run_demo(o: DemoOptions) -> dict[str, Any]:
         progress.start()
         t0 = time.perf_counter()
         working = asyncio.create_task(agents.run(stop))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(working), timeout=o.minutes * 60)
+        # The clock ends the demo, or the trainer reaching max_steps (an override), or a failure.
+        watched = [working] + ([trainer.task] if trainer is not None else [])
+        await asyncio.wait(watched, timeout=o.minutes * 60, return_when=asyncio.FIRST_COMPLETED)
         stop.set()
         await working
+        if trainer is not None and trainer.task.done() and not trainer.task.cancelled():
+            trainer.task.result()  # raises what stopped the trainer, if anything did
     finally:
         seconds = time.perf_counter() - t0
         steps = trainer.trainer.backend.step if trainer is not None else 0

@@ -97,10 +97,11 @@ def test_langchain_agent_unmodified(gw: GatewayHandle) -> None:
 
 
 def test_grpo_harness_runs_groups_and_posts_rewards(gw: GatewayHandle) -> None:
-    run_id = gw.create_run("harness")
+    r = gw.client.post("/runs", json={"name": "harness", "config": {}})
+    run_id, run_key = r.json()["id"], r.json()["api_key"]
     out = run_example(
         "grpo_harness.py",
-        *("--gateway", gw.url, "--admin-token", gw.admin_token, "--run", run_id),
+        *("--gateway", gw.url, "--key", run_key, "--run", run_id),
         *("--tasks", "3", "--group-size", "4", "--concurrency", "2"),
     )
     assert out["run"] == run_id
