@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 DEMO_LR = 1e-3
-WARM_START_STEPS = 60
+WARM_START_STEPS = 120
 
 
 class CLIError(Exception):
