@@ -88,7 +88,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="run the local engine in the gateway's process (default: a process of its own)",
     )
     serve.add_argument(
-        "--engine-threads", type=int, help="torch threads of the engine (default: cores - 1)"
+        "--engine-threads",
+        type=int,
+        help="torch threads of the engine process (default: all cores)",
     )
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     serve.add_argument(
