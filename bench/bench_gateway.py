@@ -2,7 +2,8 @@
 `rlgateway serve` over HTTP (recorded into sessions in the store), side by side in one run.
 
     .venv/bin/python bench/bench_gateway.py [--clients 64] [--requests 4] [--max-tokens 32]
-        [--database-url postgresql://...] [--gateway NAME=SERVE_ARGS ...] [--repeat N]
+        [--database-url postgresql://...] [--gateway NAME=SERVE_ARGS ...] [--baseline DIR]
+        [--repeat N]
 
 Each of C concurrent clients sends R requests one after another; every request is a fresh
 single-turn chat (its own session through the gateway) with the same seeds on both sides, so both
@@ -109,11 +110,15 @@ def through_gateway(
     max_tokens: int,
     database_url: str | None,
     serve_args: list[str],
+    checkout: str | None = None,
 ) -> dict[str, Any]:
+    """`checkout`: run the gateway from that source tree (e.g. an earlier commit's export)."""
     port = _free_port()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gw-"))
     db = database_url or f"sqlite:///{tmp / 'bench.db'}"
     env = {**os.environ, "RLGATEWAY_ADMIN_TOKEN": ADMIN}
+    if checkout:
+        env["PYTHONPATH"] = checkout
     cmd = [
         sys.executable,
         "-m",
@@ -266,6 +271,12 @@ def main() -> None:
         help="a gateway configuration to measure: a row name and extra `rlgateway serve` flags "
         "(repeatable; default one row, 'gateway over HTTP', with serve's defaults)",
     )
+    ap.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also measure the gateway run from this source tree, e.g. an earlier commit: "
+        "git archive COMMIT | tar -x -C DIR",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="runs per row; the median is shown")
     args = ap.parse_args()
 
@@ -273,20 +284,25 @@ def main() -> None:
 
     from engines.tiny_model import tiny_model_dir
 
-    variants = [v.split("=", 1) for v in args.gateway or ["gateway over HTTP="]]
+    variants = [
+        (name, serve_args, None)
+        for name, serve_args in (v.split("=", 1) for v in args.gateway or ["gateway over HTTP="])
+    ]
+    if args.baseline:
+        variants.insert(0, (f"baseline {args.baseline}", "", args.baseline))
     model_dir = tiny_model_dir(size=args.model_size)
     runs: dict[str, list[dict[str, Any]]] = {"engine in-process": []}
-    for name, _ in variants:
-        runs[f"gateway, {name}" if args.gateway else name] = []
+    for name, _, checkout in variants:
+        runs[f"gateway, {name}" if args.gateway or checkout else name] = []
     for _ in range(args.repeat):
         runs["engine in-process"].append(
             asyncio.run(direct(model_dir, args.clients, args.requests, args.max_tokens))
         )
-        for (_name, serve_args), key in zip(variants, list(runs)[1:], strict=True):
+        for (_name, serve_args, checkout), key in zip(variants, list(runs)[1:], strict=True):
             runs[key].append(
                 through_gateway(
                     model_dir, args.clients, args.requests, args.max_tokens, args.database_url,
-                    serve_args.split(),
+                    serve_args.split(), checkout,
                 )
             )  # fmt: skip
     rows = []

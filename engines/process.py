@@ -29,6 +29,7 @@ import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engines.base import (
@@ -139,10 +140,14 @@ class ProcessEngine:
         for s in (ours, theirs):  # room for many steps, so the engine never waits on the gateway
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+        # The child imports `engines` from wherever this process did, installed or not.
+        root = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         with theirs:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "engines.process_main", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
+                env={**os.environ, "PYTHONPATH": path},
             )
         try:
             ours.sendall(frame(Start(config, threads or default_threads())))
