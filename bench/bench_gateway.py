@@ -135,7 +135,10 @@ def through_gateway(
         *serve_args,
     ]
     with open(tmp / "serve.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # cwd too: `python -m` puts the working directory first on sys.path
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=checkout or None
+        )
         try:
             base = f"http://127.0.0.1:{port}"
             return asyncio.run(_gateway_clients(base, tmp, clients, requests, max_tokens, proc.pid))
