@@ -85,10 +85,12 @@ def build_gateway(
 
 
 async def load_components(settings: GatewaySettings) -> Components:
-    """The local engine on the configured model (the tiny model by default) and the store."""
+    """The local engine on the configured model (the tiny model by default), in its own process
+    unless `settings.engine_process` is off, and the store."""
     import asyncio
 
     from engines.local import LocalEngine, LocalEngineConfig
+    from engines.process import ProcessEngine
     from engines.tiny_model import load_tokenizer, tiny_model_dir
 
     model_dir = Path(settings.model) if settings.model else tiny_model_dir()
@@ -98,7 +100,13 @@ async def load_components(settings: GatewaySettings) -> Components:
         max_batch=settings.max_batch,
         max_model_len=settings.max_model_len,
     )
-    engine = await asyncio.to_thread(LocalEngine.load, config)
+    engine: LocalEngine | ProcessEngine
+    if settings.engine_process:
+        engine = await asyncio.to_thread(
+            ProcessEngine.load, config, threads=settings.engine_threads
+        )
+    else:
+        engine = await asyncio.to_thread(LocalEngine.load, config)
     store = await Store.connect(settings.database_url)
     return Components(
         engine=engine,
@@ -227,7 +235,8 @@ def create_app(
     return app
 
 
-def get_gateway(request: Request) -> Gateway:
+async def get_gateway(request: Request) -> Gateway:
+    # async on purpose: FastAPI runs a plain-def dependency in a worker thread, one hop per request
     gw: Gateway = request.app.state.gateway
     return gw
 

@@ -85,6 +85,16 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve.add_argument("--public-url", help="how agents reach this gateway (for session base_urls)")
     serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     serve.add_argument("--max-batch", type=int, help="sequences decoded together (default 64)")
+    serve.add_argument(
+        "--in-process-engine",
+        action="store_true",
+        help="run the local engine in the gateway's process (default: a process of its own)",
+    )
+    serve.add_argument(
+        "--engine-threads",
+        type=int,
+        help="torch threads of the engine process (default: all cores)",
+    )
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     serve.add_argument(
         "--train", action="store_true", help="also run the trainer in this process (embedded)"
