@@ -10,7 +10,7 @@ staleness control answers 429, it waits as long as Retry-After says and asks aga
         --dataset tasks.jsonl --group-size 8 --concurrency 4
 
 `tasks.jsonl` holds one {"prompt": ..., "answer": ...} per line (without --dataset: a few
-built-in "largest of four digits" tasks). Without --run a new run is created (that needs the
+built-in "What letter comes after k?" tasks). Without --run a new run is created (that needs the
 admin token). Prints one JSON line per group and a final summary line.
 """
 
@@ -30,11 +30,12 @@ from openai import AsyncOpenAI
 
 def builtin_tasks(n: int, seed: int) -> list[dict[str, str]]:
     rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
     tasks = []
     for _ in range(n):
-        digits = rng.sample(range(10), 4)
-        prompt = "Largest of " + " ".join(map(str, digits)) + "?"
-        tasks.append({"prompt": prompt, "answer": str(max(digits))})
+        i = rng.randrange(len(letters) - 1)
+        prompt = f"What letter comes after {letters[i]}?"
+        tasks.append({"prompt": prompt, "answer": letters[i + 1]})
     return tasks
 
 

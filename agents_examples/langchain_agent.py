@@ -19,7 +19,7 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_openai import ChatOpenAI
 
-QUESTIONS = [("7 2 9 4", "9"), ("1 5 3 0", "5")]
+QUESTIONS = [("after", "k", "l"), ("before", "q", "p")]
 
 
 def main() -> None:
@@ -36,10 +36,11 @@ def main() -> None:
         temperature=1.0,
         max_completion_tokens=4,
     )
-    chain = ChatPromptTemplate.from_messages([("user", "Largest of {digits}?")]) | llm
+    prompt = ChatPromptTemplate.from_messages([("user", "What letter comes {where} {letter}?")])
+    chain = prompt | llm
     chain = chain | StrOutputParser()
-    answers = chain.batch([{"digits": digits} for digits, _ in QUESTIONS])
-    score = sum(a.strip() == want for a, (_, want) in zip(answers, QUESTIONS, strict=True))
+    answers = chain.batch([{"where": w, "letter": c} for w, c, _ in QUESTIONS])
+    score = sum(a.strip() == want for a, (_, _, want) in zip(answers, QUESTIONS, strict=True))
     reward = score / len(QUESTIONS)
 
     session_url = args.base_url.rstrip("/").removesuffix("/v1")

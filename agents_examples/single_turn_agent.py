@@ -5,7 +5,7 @@ session. Point it at any rlgateway session: the gateway records every token it i
 
     # with `rlgateway serve` running and a session created (README: "Record an agent"):
     python agents_examples/single_turn_agent.py --base-url SESSION_BASE_URL --api-key SESSION_KEY \
-        --question "Largest of 7 2 9 4?" --answer 9
+        --question "What letter comes after k?" --answer l
 
 Prints one JSON line: the reply, the reward and the completion id.
 """
@@ -23,8 +23,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", required=True, help="the session's base_url (.../sessions/ID/v1)")
     p.add_argument("--api-key", required=True, help="the session's api_key")
-    p.add_argument("--question", default="Largest of 7 2 9 4?")
-    p.add_argument("--answer", default="9", help="the right answer, for the reward")
+    p.add_argument("--question", default="What letter comes after k?")
+    p.add_argument("--answer", default="l", help="the right answer, for the reward")
     p.add_argument("--model", default="demo", help="any name: the gateway serves one model")
     args = p.parse_args()
 

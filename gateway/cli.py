@@ -10,8 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-DEMO_LR = 1e-3
-WARM_START_STEPS = 120
+DEMO_LR = 2e-4
+WARM_START_STEPS = 60
 
 
 class CLIError(Exception):
@@ -128,8 +128,9 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="Run everything on this machine: the demo-size tiny model (warm-started by "
         "a short SFT on a sloppy teacher's demonstrations, cached after the first run), the "
         "gateway on loopback with SQLite, the trainer in the background, and many concurrent "
-        "openai-SDK agents answering 'largest of four digits' as GRPO groups, rewarded by a "
-        "grader over HTTP. Prints a live table; writes reward.png and summary.json to --out.",
+        "openai-SDK agents answering 'Write exactly five lowercase letters.' as GRPO groups, "
+        "rewarded by a grader over HTTP. Prints a live table; writes reward.png and "
+        "summary.json to --out.",
     )
     demo.add_argument(
         "--no-train", action="store_true", help="agents only, no trainer: the control run"

@@ -30,9 +30,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
         base = tiny_model_dir(size="demo", seed=args.seed)
         ws = WarmStartConfig(steps=args.warm_start_steps, seed=args.seed)
         print(
-            "warm start: SFT on a sloppy teacher's demonstrations (it answers with a random one "
-            f"of the four digits), {ws.steps} steps through the trainer's backend; RL then has "
-            "to do better than its teacher"
+            "warm start: SFT on a sloppy teacher's demonstrations (2 to 8 characters whatever "
+            f"was asked, lowercase only 60% of the time), {ws.steps} steps through the trainer's "
+            "backend; RL then has to do better than its teacher"
         )
         t0 = time.perf_counter()
         model_dir, cached = warm_start(base, ws, progress=_sft_progress(ws.steps))

@@ -108,7 +108,7 @@ class Agents:
         body = {
             "count": self.group_size,
             "group_id": group_id,
-            "metadata": {"task": problem.prompt, "answer": problem.answer},
+            "metadata": {"task": problem.prompt, "length": problem.length},
         }
         while not stop.is_set():
             r = await http.post(f"/runs/{self.run_id}/sessions", json=body, headers=self._admin)

@@ -91,14 +91,21 @@ async def run_demo(o: DemoOptions) -> dict[str, Any]:
     c = await load_components(settings)
     problems = all_problems()
     cfg = None
-    run_config: dict[str, Any] = {"task": "largest digit", "trained": o.train}
+    run_config: dict[str, Any] = {"task": "exact-length lowercase letters", "trained": o.train}
     if o.train:
         cfg = train_config(o, "", database_url)
         run_config |= cfg.model_dump(mode="json", exclude={"run", "database_url"})
     run = await c.store.create_run("demo" if o.train else "demo (no training)", run_config)
     progress = Progress(window=o.group_size * o.groups_per_step)
     server = uvicorn.Server(
-        uvicorn.Config(create_app(settings, components=c), log_level="warning", lifespan="on")
+        uvicorn.Config(
+            create_app(settings, components=c),
+            log_level="warning",
+            lifespan="on",
+            # Longer than the clients' keep-alive (httpx: 5 s), so that the server never closes
+            # a connection a client is about to reuse.
+            timeout_keep_alive=30,
+        )
     )
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     trainer: EmbeddedTrainer | None = None

@@ -23,7 +23,7 @@ from gateway.demo.task import TASK_VERSION, Problem, all_problems, teacher_answe
 
 @dataclass(frozen=True, slots=True)
 class WarmStartConfig:
-    steps: int = 120
+    steps: int = 60
     """SFT optimizer steps."""
     batch_size: int = 64
     """Demonstrations per step."""

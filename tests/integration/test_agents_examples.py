@@ -61,8 +61,10 @@ def gw(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[G
 
 
 def test_single_turn_agent(gw: GatewayHandle) -> None:
-    s = gw.new_session(group_id="q1", metadata={"task": "Largest of 7 2 9 4?"})
-    out = run_example("single_turn_agent.py", *session_args(s), "--question", "Largest of 7 2 9 4?")
+    s = gw.new_session(group_id="q1", metadata={"task": "What letter comes after k?"})
+    out = run_example(
+        "single_turn_agent.py", *session_args(s), "--question", "What letter comes after k?"
+    )
     detail = gw.session(s["id"])
     assert_recorded(detail, completions=1)
     assert detail["rewards"][0]["reward"] == out["reward"]

@@ -29,11 +29,11 @@ async def sample(engine: LocalEngine, n: int, max_tokens: int = 24) -> list[Trai
     reqs = [
         GenerateRequest(
             prompt_ids=tuple(PROMPTS[i % len(PROMPTS)]),
-            sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i),
+            sampling=SamplingParams(temperature=1.0, max_new_tokens=max_tokens, seed=i),
         )
         for i in range(n)
     ]
-    results = await asyncio.gather(*(collect(engine.generate(r)) for r in reqs))
+    results = await asyncio.gather(*(collect(engine, r) for r in reqs))
     seqs = []
     for res in results:
         p, t = list(res.prompt_ids), list(res.token_ids)

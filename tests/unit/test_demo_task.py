@@ -2,56 +2,58 @@
 
 from __future__ import annotations
 
+import io
 import random
+from collections import Counter
 
 import pytest
 
 from gateway.demo.harness import Episode
 from gateway.demo.report import Progress, summarize
-from gateway.demo.task import all_problems, grade, make_problem, teacher_answer
+from gateway.demo.task import all_problems, grade, teacher_answer
 
 
-def test_problems_are_distinct_digit_questions_with_the_largest_as_answer() -> None:
+def test_problems_ask_for_three_five_or_seven_letters() -> None:
     problems = all_problems()
-    assert len(problems) == 10 * 9 * 8 * 7
-    assert len({p.id for p in problems}) == len(problems)
-    p = make_problem((7, 2, 9, 4))
-    assert p.prompt == "Largest of 7 2 9 4?"
-    assert p.answer == "9"
-    for q in problems[:: len(problems) // 50]:
-        digits = [int(c) for c in q.id]
-        assert len(set(digits)) == 4
-        assert q.answer == str(max(digits))
+    assert [p.length for p in problems] == [3, 5, 7]
+    assert problems[1].prompt == "Write exactly five lowercase letters."
+    assert len({p.id for p in problems}) == 3
 
 
 @pytest.mark.parametrize(
-    ("text", "reward"), [("9", 1.0), (" 9\n", 1.0), ("7", 0.0), ("99", 0.0), ("", 0.0), (None, 0.0)]
+    ("text", "reward"),
+    [
+        ("qhzta", 1.0),
+        ("qhzt", 0.0),
+        ("qhztab", 0.0),
+        ("qhzTa", 0.0),
+        (" qhzta", 0.0),
+        ("qhzta\n", 0.0),
+        ("qh<tool_call>", 0.0),
+        ("", 0.0),
+        (None, 0.0),
+    ],
 )
-def test_grader_wants_exactly_the_largest_digit(text: str | None, reward: float) -> None:
-    assert grade(make_problem((7, 2, 9, 4)), text) == reward
+def test_grader_wants_exactly_that_many_lowercase_letters(text: str | None, reward: float) -> None:
+    assert grade(all_problems()[1], text) == reward
 
 
-def test_the_teacher_answers_with_a_digit_of_the_question_and_is_right_a_quarter_of_the_time() -> (
-    None
-):
+def test_the_teacher_ignores_the_instruction_and_is_sloppy() -> None:
     rng = random.Random(0)
-    problems = all_problems()
-    right = 0
-    for i in range(4000):
-        p = problems[i % len(problems)]
-        a = teacher_answer(p, rng)
-        assert a in p.id
-        right += a == p.answer
-    assert 0.22 < right / 4000 < 0.28
+    five = all_problems()[1]
+    answers = [teacher_answer(five, rng) for _ in range(20_000)]
+    assert Counter(len(a) for a in answers).keys() == set(range(2, 9))
+    lowercase = sum(a.isalpha() and a.islower() and a.isascii() for a in answers) / len(answers)
+    assert 0.58 < lowercase < 0.64
+    right = sum(grade(five, a) for a in answers) / len(answers)
+    assert 0.07 < right < 0.10  # 1/7 of the lengths, lowercase 60% (+ sloppy luck)
 
 
 def episode(t: float, reward: float, version: int) -> Episode:
-    return Episode(t=t, reward=reward, version=version, completion_tokens=2, problem_id="0123")
+    return Episode(t=t, reward=reward, version=version, completion_tokens=2, problem_id="letters-5")
 
 
 def test_progress_rows_and_summary_use_windows_of_episodes() -> None:
-    import io
-
     out = io.StringIO()
     progress = Progress(window=4, out=out)
     progress.start()
@@ -62,16 +64,8 @@ def test_progress_rows_and_summary_use_windows_of_episodes() -> None:
     assert [row.version for row in progress.rows] == [0, 1, 2, 3, 4]
     assert progress.rows[0].tokens_per_s == pytest.approx(8 / 4)
     lines = out.getvalue().splitlines()
-    assert lines[0].split() == [
-        "time",
-        "episodes",
-        "reward",
-        "version",
-        "step",
-        "stale",
-        "loss",
-        "tok/s",
-    ]
+    header = ["time", "episodes", "reward", "version", "step", "stale", "loss", "tok/s"]
+    assert lines[0].split() == header
     assert len(lines) == 6
     s = summarize(progress.rows, trained=True, seconds=20.0, steps=4)
     assert s["reward_start"] == 0.25

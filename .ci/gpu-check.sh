@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU checks, as one script for a lent GPU machine (CI has none): the CUDA tests
+# (tests/integration/test_gpu.py) and, with --demo, a short `rlgateway demo` on CUDA.
+# The machine carries PyTorch; rlgateway's other dependencies travel as wheels in .whl/.
+set -o pipefail
+out=${OUT:-/tmp/gpu-check}; mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export RLGATEWAY_CACHE_DIR=/tmp/rlgateway-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+timeout 300 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
+  -W ignore::DeprecationWarning -W ignore::UserWarning -W ignore::FutureWarning \
+  tests/integration/test_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
+if [ "${1:-}" = "--demo" ]; then
+  timeout 420 python3 -m gateway.cli demo --minutes "${DEMO_MINUTES:-3}" --out "$out/demo" 2>&1 \
+    | grep -v "Loading\|Writing" | tee "$out/demo.log" | tail -60
+fi
