@@ -82,6 +82,11 @@ async def load_components(settings: GatewaySettings) -> Components:
     """The local engine on the configured model (the tiny model by default) and the store."""
     import asyncio
 
+    if settings.engine != "local":
+        from gateway.remote_engine import load_remote_components
+
+        return await load_remote_components(settings)
+
     from engines.local import LocalEngine, LocalEngineConfig
     from engines.tiny_model import load_tokenizer, tiny_model_dir
 
