@@ -347,11 +347,15 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def run_fake_sglang(model_dir: str | Path, startup_s: float = 120) -> Iterator[FakeServer]:
-    """Start the fake server as a subprocess on a free loopback port; kill it on exit."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+def run_fake_sglang(
+    model_dir: str | Path, port: int | None = None, startup_s: float = 120
+) -> Iterator[FakeServer]:
+    """Start the fake server as a subprocess on loopback (a free port unless given); kill it on
+    exit."""
+    if port is None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "tests.support.fake_sglang", "--model", str(model_dir)]
     proc = subprocess.Popen(
         [*cmd, "--port", str(port)], cwd=Path(__file__).resolve().parents[2], env=os.environ
