@@ -305,6 +305,22 @@ class RemoteEngine(abc.ABC):
         return len(self._live)
 
 
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent-event stream, `[DONE]` included.
+
+    Split on b"\n" only: JSON never holds a raw newline byte, but the generated text in it may
+    hold other characters that `str.splitlines` (and so `aiter_lines`) takes for line breaks,
+    such as U+2028 or U+0085, which a random model emits.
+    """
+    buf = b""
+    async for part in response.aiter_bytes():
+        buf += part
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip().decode()
+
+
 def raise_for_status(response: httpx.Response, what: str) -> None:
     """4xx -> `InvalidRequestError` with the server's message; 5xx -> `EngineUnavailableError`."""
     if response.status_code < 400:

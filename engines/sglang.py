@@ -24,7 +24,7 @@ import httpx
 
 from engines.base import FinishReason, SamplingParams, WeightUpdate
 from engines.errors import EngineUnavailableError, WeightUpdateError
-from engines.remote import Piece, RemoteEngine, raise_for_status, transport_error
+from engines.remote import Piece, RemoteEngine, raise_for_status, sse_data, transport_error
 
 _FINISH = {
     "stop": FinishReason.STOP,
@@ -109,10 +109,7 @@ class SGLangEngine(RemoteEngine):
                 if response.status_code >= 400:
                     await response.aread()
                     raise_for_status(response, "POST /generate")
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
+                async for data in sse_data(response):
                     if data == "[DONE]":
                         return
                     event = json.loads(data)

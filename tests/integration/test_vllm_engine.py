@@ -15,10 +15,13 @@ the server's weights and puts the original ones back at the end:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -245,6 +248,34 @@ def swap_and_check(gateway: GatewayHandle, tiny_model: Path, vllm_url: str, tmp_
 
     backend, state = train_once(tiny_model)
     publisher = DiskPublisher(tmp_path / "weights", tiny_model, gateway.url, gateway.admin_token)
+    with concurrent.futures.ThreadPoolExecutor(LOAD) as pool:
+        # Other clients keep vLLM busy, so that the gateway's request is still generating when
+        # the swap lands (alone it would finish in a second or two); the swap aborts them.
+        load = [pool.submit(busy_vllm, vllm_url) for _ in range(LOAD)]
+        session = stream_across_a_swap(gateway, publisher, state)
+        for f in load:
+            assert f.result() in {"abort", "length"}
+    check_swapped_session(gateway, session, tiny_model, backend, vllm_url)
+
+
+LOAD = 16
+
+
+def busy_vllm(url: str) -> str:
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1800, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    r.raise_for_status()
+    finish: str = r.json()["choices"][0]["finish_reason"]
+    return finish
+
+
+def stream_across_a_swap(
+    gateway: GatewayHandle, publisher: Any, state: dict[str, Any]
+) -> dict[str, Any]:
+    """A long streamed chat; once its first token arrived, the trainer publishes version 1."""
+    deadline = time.monotonic() + 30
+    while not busy(gateway) and time.monotonic() < deadline:
+        time.sleep(0.05)
     s = gateway.new_session()
     tokens_before_swap = 0
     swapped = False
@@ -252,7 +283,7 @@ def swap_and_check(gateway: GatewayHandle, tiny_model: Path, vllm_url: str, tmp_
         stream = client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": "Write a long story."}],
-            max_tokens=1200,
+            max_tokens=1800,
             stream=True,
             logprobs=True,
             extra_body={"ignore_eos": True},
@@ -262,20 +293,31 @@ def swap_and_check(gateway: GatewayHandle, tiny_model: Path, vllm_url: str, tmp_
             choice = chunk.choices[0] if chunk.choices else None
             if choice is not None and choice.logprobs is not None:
                 tokens_before_swap += len(choice.logprobs.content or [])
-                if tokens_before_swap >= 20 and not swapped:
+                if tokens_before_swap >= 1 and not swapped:  # vLLM is generating: swap now
                     assert asyncio.run(publisher.publish(state, 1)) == 1
                     swapped = True
             if choice is not None and choice.finish_reason is not None:
                 finish = choice.finish_reason
     assert finish == "length"
+    assert swapped
+    return s
+
+
+def busy(gateway: GatewayHandle) -> bool:
+    return bool(gateway.client.get("/health").json()["running"] >= LOAD)
+
+
+def check_swapped_session(
+    gateway: GatewayHandle, s: dict[str, Any], tiny_model: Path, backend: Any, vllm_url: str
+) -> None:
     assert gateway.client.get("/health").json()["version"] == 1
 
     [seg] = gateway.session(s["id"])["segments"]
     start, end = turn(seg)
-    assert end - start == 1200
+    assert end - start == 1800
     versions = seg["versions"][start:end]
     swap = versions.index(1)
-    assert swap >= 20
+    assert swap >= 1
     assert versions == [0] * swap + [1] * (end - start - swap)  # per-span versions, in order
     old = trainer_logprobs(tiny_model, seg["tokens"], 1.0)
     new = forward(backend, seg["tokens"], 1.0)
