@@ -7,6 +7,7 @@ With `--engine-launch` it starts and supervises a local vLLM server on that dire
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +34,9 @@ def eos_token_ids(model_dir: Path) -> frozenset[int]:
 
 async def connect_engine(settings: GatewaySettings, model_dir: Path, vocab_size: int) -> Engine:
     from engines.servers import connect_servers
+
+    # httpx logs every request at INFO: with an engine over HTTP that is every generation.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     if not settings.engine_launch:
         return await connect_servers(settings.engine, settings.engine_urls, vocab_size)
