@@ -69,7 +69,8 @@ async def vllm_direct(url: str, clients: int, requests: int, max_tokens: int) ->
 
 def gateway_on_vllm(
     model_dir: Path, vllm_url: str, clients: int, requests: int, max_tokens: int
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(recorded, not recorded) runs against one `rlgateway serve --engine vllm`."""
     port = _free_port()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gw-vllm-"))
     env = {**os.environ, "RLGATEWAY_ADMIN_TOKEN": ADMIN}
@@ -80,7 +81,9 @@ def gateway_on_vllm(
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{port}"
-            return asyncio.run(gateway_clients(base, clients, requests, max_tokens))
+            recorded = asyncio.run(gateway_clients(base, clients, requests, max_tokens))
+            plain = asyncio.run(gateway_clients(base, clients, requests, max_tokens, False))
+            return recorded, plain
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -90,9 +93,10 @@ def gateway_on_vllm(
 
 
 async def gateway_clients(
-    base: str, clients: int, requests: int, max_tokens: int
+    base: str, clients: int, requests: int, max_tokens: int, record: bool = True
 ) -> dict[str, Any]:
-    """The same requests as `vllm_direct`, each in its own gateway session."""
+    """The same requests as `vllm_direct`, each in its own gateway session (recorded), or on the
+    gateway's plain `/v1` route with the admin token (`record=False`: nothing is stored)."""
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
         for _ in range(600):
@@ -125,12 +129,11 @@ async def gateway_clients(
                     "ignore_eos": True,
                     "logprobs": True,
                 }
+                path = f"/sessions/{s['id']}/v1" if record else "/v1"
+                path += "/chat/completions"
+                key = s["api_key"] if record else ADMIN
                 t0 = time.perf_counter()
-                resp = await http.post(
-                    f"/sessions/{s['id']}/v1/chat/completions",
-                    json=body,
-                    headers={"Authorization": f"Bearer {s['api_key']}"},
-                )
+                resp = await http.post(path, json=body, headers={"Authorization": f"Bearer {key}"})
                 latencies.append(time.perf_counter() - t0)
                 resp.raise_for_status()
                 tokens += resp.json()["usage"]["completion_tokens"]
@@ -173,7 +176,7 @@ def row(name: str, r: dict[str, Any]) -> tuple[str, float, float, float, float, 
 
 async def _vllm_part(
     model_dir: Path, python: str, args: argparse.Namespace
-) -> tuple[dict[str, Any], dict[str, Any], float]:
+) -> tuple[dict[str, Any], tuple[dict[str, Any], dict[str, Any]], float]:
     from engines.vllm import VLLMEngine, VLLMEngineConfig
     from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
 
@@ -222,17 +225,23 @@ def main() -> None:
 
     local_tps = asyncio.run(local())
 
-    rows = [row("clients -> vLLM", direct), row("clients -> gateway -> vLLM", gateway)]
+    recorded, plain = gateway
+    rows = [
+        row("clients -> vLLM", direct),
+        row("clients -> gateway -> vLLM, recorded", recorded),
+        row("clients -> gateway -> vLLM, not recorded (/v1)", plain),
+    ]
     print(f"\n{args.clients} clients x {args.requests} chat requests, {args.max_tokens} tokens\n")
     print("| path | p50 ms | p99 ms | mean ms | tokens/s | requests/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, p50, p99, mean, tps, rps in rows:
         print(f"| {name} | {p50:.1f} | {p99:.1f} | {mean:.1f} | {tps:.0f} | {rps:.1f} |")
-    (_, d50, d99, _, dtps, _), (_, g50, g99, _, gtps, _) = rows
-    print(
-        f"\nadded p50 {g50 - d50:+.1f} ms, p99 {g99 - d99:+.1f} ms; "
-        f"throughput gateway/direct {gtps / dtps:.2f}"
-    )
+    (_, d50, d99, _, dtps, _), *gateway_rows = rows
+    for name, g50, g99, _, gtps, _ in gateway_rows:
+        print(
+            f"\n{name}: added p50 {g50 - d50:+.1f} ms, p99 {g99 - d99:+.1f} ms; "
+            f"throughput gateway/direct {gtps / dtps:.2f}"
+        )
     print(f"\n{args.clients} concurrent requests x {args.engine_tokens} tokens, Engine protocol\n")
     print("| engine | tokens/s |")
     print("|---|---:|")
