@@ -32,7 +32,29 @@ import httpx
 from bench_gateway import ADMIN, _free_port, _pct, _prompts
 
 
-async def vllm_direct(url: str, clients: int, requests: int, max_tokens: int) -> dict[str, Any]:
+def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by every process of each process group."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = dict.fromkeys(groups, 0.0)
+    by_group = {pgid: name for name, pgid in groups.items()}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended
+        name = by_group.get(int(fields[2]))  # pgrp
+        if name is not None:
+            out[name] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in before}
+
+
+async def vllm_direct(
+    url: str, clients: int, requests: int, max_tokens: int, groups: dict[str, int]
+) -> dict[str, Any]:
     prompts = _prompts(clients * requests)
     latencies: list[float] = []
     tokens = 0
@@ -62,13 +84,21 @@ async def vllm_direct(url: str, clients: int, requests: int, max_tokens: int) ->
         await client(0, warm=True)
         latencies.clear()
         tokens = 0
+        cpu0 = cpu_seconds(groups)
         t0 = time.perf_counter()
         await asyncio.gather(*(client(c) for c in range(clients)))
-        return {"latencies": latencies, "tokens": tokens, "wall": time.perf_counter() - t0}
+        wall = time.perf_counter() - t0
+        cpu = cpu_delta(cpu0, cpu_seconds(groups))
+        return {"latencies": latencies, "tokens": tokens, "wall": wall, "cpu": cpu}
 
 
 def gateway_on_vllm(
-    model_dir: Path, vllm_url: str, clients: int, requests: int, max_tokens: int
+    model_dir: Path,
+    vllm_url: str,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    groups: dict[str, int],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(recorded, not recorded) runs against one `rlgateway serve --engine vllm`."""
     port = _free_port()
@@ -78,11 +108,16 @@ def gateway_on_vllm(
     cmd += ["--model", str(model_dir), "--database-url", f"sqlite:///{tmp / 'bench.db'}"]
     cmd += ["--engine", "vllm", "--engine-url", vllm_url, "--log-level", "warning"]
     with open(tmp / "serve.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        groups = groups | {"gateway": proc.pid}
         try:
             base = f"http://127.0.0.1:{port}"
-            recorded = asyncio.run(gateway_clients(base, clients, requests, max_tokens))
-            plain = asyncio.run(gateway_clients(base, clients, requests, max_tokens, False))
+            recorded = asyncio.run(gateway_clients(base, clients, requests, max_tokens, groups))
+            plain = asyncio.run(
+                gateway_clients(base, clients, requests, max_tokens, groups, record=False)
+            )
             return recorded, plain
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -93,7 +128,12 @@ def gateway_on_vllm(
 
 
 async def gateway_clients(
-    base: str, clients: int, requests: int, max_tokens: int, record: bool = True
+    base: str,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    groups: dict[str, int],
+    record: bool = True,
 ) -> dict[str, Any]:
     """The same requests as `vllm_direct`, each in its own gateway session (recorded), or on the
     gateway's plain `/v1` route with the admin token (`record=False`: nothing is stored)."""
@@ -143,9 +183,12 @@ async def gateway_clients(
         await client(0, warm=True)
         latencies.clear()
         tokens = 0
+        cpu0 = cpu_seconds(groups)
         t0 = time.perf_counter()
         await asyncio.gather(*(client(c) for c in range(clients)))
-        return {"latencies": latencies, "tokens": tokens, "wall": time.perf_counter() - t0}
+        wall = time.perf_counter() - t0
+        cpu = cpu_delta(cpu0, cpu_seconds(groups))
+        return {"latencies": latencies, "tokens": tokens, "wall": wall, "cpu": cpu}
 
 
 async def engine_tokens_per_s(engine: Any, clients: int, max_tokens: int) -> float:
@@ -174,6 +217,14 @@ def row(name: str, r: dict[str, Any]) -> tuple[str, float, float, float, float, 
     )
 
 
+def cpu_row(name: str, r: dict[str, Any]) -> str:
+    """CPU milliseconds per request: vLLM's processes, the gateway's, both."""
+    n = len(r["latencies"])
+    v = r["cpu"]["vllm"] * 1000 / n
+    g = r["cpu"].get("gateway", 0.0) * 1000 / n
+    return f"| {name} | {v:.2f} | {g:.2f} | {v + g:.2f} |"
+
+
 async def _vllm_part(
     model_dir: Path, python: str, args: argparse.Namespace
 ) -> tuple[dict[str, Any], tuple[dict[str, Any], dict[str, Any]], float]:
@@ -184,9 +235,17 @@ async def _vllm_part(
     server = VLLMServer(cfg)
     await server.start()
     try:
-        direct = await vllm_direct(server.url, args.clients, args.requests, args.max_tokens)
+        assert server.pid is not None
+        groups = {"vllm": server.pid}
+        direct = await vllm_direct(server.url, args.clients, args.requests, args.max_tokens, groups)
         gateway = await asyncio.to_thread(
-            gateway_on_vllm, model_dir, server.url, args.clients, args.requests, args.max_tokens
+            gateway_on_vllm,
+            model_dir,
+            server.url,
+            args.clients,
+            args.requests,
+            args.max_tokens,
+            groups,
         )
         engine = await VLLMEngine.connect(VLLMEngineConfig(url=server.url))
         try:
@@ -242,6 +301,12 @@ def main() -> None:
             f"\n{name}: added p50 {g50 - d50:+.1f} ms, p99 {g99 - d99:+.1f} ms; "
             f"throughput gateway/direct {gtps / dtps:.2f}"
         )
+    print("\nCPU ms per request (what each path costs, whatever else runs on the machine)\n")
+    print("| path | vLLM processes | gateway process | total |")
+    print("|---|---:|---:|---:|")
+    print(cpu_row("clients -> vLLM", direct))
+    print(cpu_row("clients -> gateway -> vLLM, recorded", recorded))
+    print(cpu_row("clients -> gateway -> vLLM, not recorded (/v1)", plain))
     print(f"\n{args.clients} concurrent requests x {args.engine_tokens} tokens, Engine protocol\n")
     print("| engine | tokens/s |")
     print("|---|---:|")

@@ -159,6 +159,11 @@ class VLLMServer:
                 log.exception("vLLM restart failed")
 
     @property
+    def pid(self) -> int | None:
+        """The server's process id, which is also its process group (vLLM's engine is in it)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
