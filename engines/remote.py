@@ -161,11 +161,13 @@ class RemoteEngine(abc.ABC):
             raise EngineUnavailableError(f"the engine for {self.url} is closed")
         if request.request_id in self._live:
             raise InvalidRequestError(f"request id {request.request_id!r} is already live")
-        live = _Live(request.request_id)
-        self._live[request.request_id] = live  # now, so that an `abort` right away finds it
-        return self._stream(request, live)
+        return self._stream(request)
 
-    async def _stream(self, request: GenerateRequest, live: _Live) -> AsyncIterator[TokenChunk]:
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        # Registered here, not in `generate`: a stream that is never iterated leaves nothing.
+        if request.request_id in self._live:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already live")
+        live = self._live[request.request_id] = _Live(request.request_id)
         sp = request.sampling
         budget = sp.max_new_tokens or self.max_model_len - len(request.prompt_ids)
         produced: list[int] = []
