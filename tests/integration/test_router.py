@@ -22,7 +22,7 @@ from tests.support.fake_sglang import FakeServer, run_fake_sglang
 pytestmark = pytest.mark.slow
 
 PROMPT = (1, 5, 9, 20, 30)
-LONG = SamplingParams(max_new_tokens=400, ignore_eos=True)
+LONG = SamplingParams(max_new_tokens=800, ignore_eos=True)
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ async def test_placement_affinity_update_and_failures(
         assert await router.update_weights(WeightUpdate(path=new)) == 1
         results = await asyncio.gather(*tasks)
         for r in results:
-            assert len(r.token_ids) == 400
+            assert len(r.token_ids) == 800
             assert r.versions[0] == 0
             assert r.versions[-1] == 1
         assert [b.engine.version() for b in router.backends] == [1, 1]

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.slow
 
 PROMPT = (1, 5, 9, 20, 30)
 ATOL = 1e-4
+BUDGET = 1200
+"""Tokens of the requests a weight update interrupts: seconds of generation on the fake."""
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +113,13 @@ async def test_weight_update_from_disk_resubmits_in_flight_requests(
     with run_fake_sglang(tiny_model) as server:  # its own server: the weights change
         engine = await connect(server.url)
         try:
-            sampling = SamplingParams(max_new_tokens=300, ignore_eos=True)
+            sampling = SamplingParams(max_new_tokens=BUDGET, ignore_eos=True)
             reqs = [GenerateRequest(prompt_ids=PROMPT, sampling=sampling) for _ in range(2)]
 
             async def swap() -> int:
                 while engine.live_requests < 2:
                     await asyncio.sleep(0.01)
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.1)
                 return await engine.update_weights(WeightUpdate(path=trained_dir))
 
             *results, version = await asyncio.gather(*(collect(engine, q) for q in reqs), swap())
@@ -131,10 +133,10 @@ async def test_weight_update_from_disk_resubmits_in_flight_requests(
         await again.close()
     for r in results:
         assert r.finish_reason == FinishReason.LENGTH
-        assert len(r.token_ids) == 300
+        assert len(r.token_ids) == BUDGET
         swap_at = r.versions.index(1)
         assert swap_at > 0
-        assert r.versions == (0,) * swap_at + (1,) * (300 - swap_at)
+        assert r.versions == (0,) * swap_at + (1,) * (BUDGET - swap_at)
         tokens = list(PROMPT + r.token_ids)
         old = teacher_forced(tiny_model, tokens, 1.0)[len(PROMPT) :]
         new = teacher_forced(trained_dir, tokens, 1.0)[len(PROMPT) :]
