@@ -89,6 +89,11 @@ async def load_components(settings: GatewaySettings) -> Components:
     unless `settings.engine_process` is off, and the store."""
     import asyncio
 
+    if settings.engine != "local":
+        from gateway.remote_engine import load_remote_components
+
+        return await load_remote_components(settings)
+
     from engines.local import LocalEngine, LocalEngineConfig
     from engines.process import ProcessEngine
     from engines.tiny_model import load_tokenizer, tiny_model_dir

@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -80,15 +80,21 @@ def sampling_params(body: Any, max_new: int | None, top_logprobs: int) -> Sampli
     )
 
 
-def choice_requests(sp: SamplingParams, prompt: list[int], n: int) -> list[GenerateRequest]:
-    """n engine requests; with a seed, choice i uses seed + i so choices differ but reproduce."""
+def choice_requests(
+    sp: SamplingParams, prompt: list[int], n: int, session_id: str | None = None
+) -> list[GenerateRequest]:
+    """n engine requests; with a seed, choice i uses seed + i so choices differ but reproduce.
+    A session's request ids start with "{session_id}/", which a router uses for affinity."""
     out = []
     for i in range(n):
         seed = None if sp.seed is None else sp.seed + i
         params = SamplingParams(
             **{**{f: getattr(sp, f) for f in sp.__dataclass_fields__}, "seed": seed}
         )
-        out.append(GenerateRequest(prompt_ids=tuple(prompt), sampling=params))
+        req = GenerateRequest(prompt_ids=tuple(prompt), sampling=params)
+        if session_id is not None:
+            req = replace(req, request_id=f"{session_id}/{req.request_id}")
+        out.append(req)
     return out
 
 
@@ -153,7 +159,7 @@ class ChatService:
                         holdback=[TOOL_CALL_OPEN] if inputs.parse_tools else [],
                     ),
                 )
-                for i, req in enumerate(choice_requests(sp, prompt, body.n))
+                for i, req in enumerate(choice_requests(sp, prompt, body.n, session_id))
             ]
         except BaseException:
             if plan is not None and self.recorder is not None:

@@ -97,6 +97,23 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     serve.add_argument(
+        "--engine", choices=["local", "vllm", "sglang"], help="inference engine (default local)"
+    )
+    serve.add_argument(
+        "--engine-url",
+        action="append",
+        dest="engine_urls",
+        metavar="URL",
+        help="a vLLM/SGLang server (repeat it: a router spreads load over them)",
+    )
+    serve.add_argument(
+        "--engine-launch",
+        action="store_true",
+        default=None,
+        help="start and supervise a local vLLM server on --model (with --engine vllm)",
+    )
+    serve.add_argument("--vllm-python", help="Python of a venv with vLLM, for --engine-launch")
+    serve.add_argument(
         "--train", action="store_true", help="also run the trainer in this process (embedded)"
     )
     serve.add_argument("--config", help="run config (YAML) for --train")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -36,6 +38,14 @@ class GatewaySettings(BaseSettings):
     """Requests with a larger body get 413."""
     discount: float = Field(1.0, ge=0.0, le=1.0)
     """Default per-turn discount gamma for returns (a run's config may set `discount`)."""
+    engine: Literal["local", "vllm", "sglang"] = "local"
+    """Which inference engine: the embedded `local` one, or vLLM / SGLang servers."""
+    engine_urls: list[str] = []
+    """vLLM/SGLang server URLs; more than one puts a router in front of them."""
+    engine_launch: bool = False
+    """Start and supervise a local vLLM server on `model` (needs `vllm_python`)."""
+    vllm_python: str | None = None
+    """The interpreter of a venv with vLLM, for `engine_launch` (default: this one)."""
 
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")

@@ -6,8 +6,12 @@ import argparse
 import logging
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.cli import CLIError
+
+if TYPE_CHECKING:
+    from gateway.settings import GatewaySettings
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -29,6 +33,10 @@ def run_serve(args: argparse.Namespace) -> int:
             "max_batch": args.max_batch,
             "engine_process": False if args.in_process_engine else None,
             "engine_threads": args.engine_threads,
+            "engine": args.engine,
+            "engine_urls": args.engine_urls,
+            "engine_launch": args.engine_launch,
+            "vllm_python": args.vllm_python,
         }.items()
         if v is not None
     }
@@ -43,6 +51,7 @@ def run_serve(args: argparse.Namespace) -> int:
             f"{settings.model} is not a Hugging Face model directory (no config.json): "
             "build one with `rlgateway model tiny DIR` or leave --model out for the tiny model"
         )
+    _check_engine(settings)
     train = None
     if args.train:
         from trainer.config import load_config
@@ -74,6 +83,23 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
     )
     return 0
+
+
+def _check_engine(settings: GatewaySettings) -> None:
+    if settings.engine == "local":
+        if settings.engine_urls or settings.engine_launch:
+            raise CLIError("--engine-url and --engine-launch go with --engine vllm or sglang")
+        return
+    if settings.engine_launch:
+        if settings.engine != "vllm":
+            raise CLIError("--engine-launch starts vLLM only: use --engine vllm")
+        if settings.engine_urls:
+            raise CLIError("give either --engine-launch or --engine-url, not both")
+    elif not settings.engine_urls:
+        raise CLIError(
+            f"--engine {settings.engine} needs --engine-url URL (a running server), "
+            "or --engine-launch to start a local vLLM"
+        )
 
 
 def _redacted(url: str) -> str:

@@ -7,7 +7,6 @@ teacher-forced transformers pass over the same tokens: `log_softmax(logits)` for
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from engines.tiny_model import build_tiny_model, load_tokenizer
-from tests.integration.vllm_server import SERVED_MODEL_NAME, start_vllm_server, vllm_python
+from engines.tiny_model import load_tokenizer
+from tests.integration.vllm_server import SERVED_MODEL_NAME, vllm_python
 
 pytestmark = [
     pytest.mark.vllm,
@@ -33,14 +32,9 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def vllm_url(model_dir: Path) -> Iterator[str]:
-    with start_vllm_server(model_dir) as url:
-        yield url
+def model_dir(tiny_model: Path) -> Path:
+    """The model the session's vLLM server (`vllm_url`, tests/integration/conftest.py) serves."""
+    return tiny_model
 
 
 @pytest.fixture(scope="module")

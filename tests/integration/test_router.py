@@ -1,0 +1,193 @@
+"""The router over real HTTP servers (fake SGLang servers generating with the tiny model):
+placement, affinity, ejection and re-admission, retry and mid-generation failure, coordinated
+weight updates, and the gateway's 503 when a server dies mid-generation."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engines.base import FinishReason, GenerateRequest, SamplingParams, WeightUpdate, collect
+from engines.errors import EngineUnavailableError
+from engines.router import Router
+from engines.sglang import SGLangEngine, SGLangEngineConfig
+from tests.integration.gateway_server import run_gateway
+from tests.support.fake_sglang import FakeServer, run_fake_sglang
+
+pytestmark = pytest.mark.slow
+
+PROMPT = (1, 5, 9, 20, 30)
+LONG = SamplingParams(max_new_tokens=800, ignore_eos=True)
+
+
+@pytest.fixture
+def two(tiny_model: Path) -> Iterator[tuple[FakeServer, FakeServer]]:
+    with run_fake_sglang(tiny_model) as a, run_fake_sglang(tiny_model) as b:
+        yield a, b
+
+
+async def router_over(*servers: FakeServer, **kwargs: float) -> Router:
+    engines = [await SGLangEngine.connect(SGLangEngineConfig(url=s.url)) for s in servers]
+    return Router(
+        [(s.url, e) for s, e in zip(servers, engines, strict=True)],
+        health_interval=0.1,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def req(session: str | None = None, sampling: SamplingParams = LONG) -> GenerateRequest:
+    if session is None:
+        return GenerateRequest(prompt_ids=PROMPT, sampling=sampling)
+    import uuid
+
+    return GenerateRequest(
+        prompt_ids=PROMPT, sampling=sampling, request_id=f"{session}/{uuid.uuid4().hex}"
+    )
+
+
+async def test_placement_affinity_update_and_failures(
+    two: tuple[FakeServer, FakeServer], tiny_model: Path, tmp_path: Path
+) -> None:
+    a, b = two
+    router = await router_over(a, b)
+    router.start()
+    ba, bb = router.backends
+    try:
+        # Least outstanding: four concurrent requests spread two and two.
+        tasks = [asyncio.create_task(collect(router, req())) for _ in range(4)]
+        while ba.outstanding + bb.outstanding < 4:
+            await asyncio.sleep(0.01)
+        assert (ba.outstanding, bb.outstanding) == (2, 2)
+
+        # A coordinated weight update while they run: one version on both servers, and every
+        # in-flight request completes with version 0 then version 1.
+        new = tmp_path / "v1"
+        shutil.copytree(tiny_model, new)
+        assert await router.update_weights(WeightUpdate(path=new)) == 1
+        results = await asyncio.gather(*tasks)
+        for r in results:
+            assert len(r.token_ids) == 800
+            assert r.versions[0] == 0
+            assert r.versions[-1] == 1
+        assert [b.engine.version() for b in router.backends] == [1, 1]
+        async with httpx.AsyncClient() as http:
+            for s in (a, b):
+                info = (await http.get(f"{s.url}/model_info")).json()
+                assert info["weight_version"] == "1"
+
+        # Session affinity: a session stays on its server even when the other is idler.
+        short = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        first = router.pick(req("s1", short))
+        busy = asyncio.create_task(collect(router, req("s1")))
+        while first.outstanding == 0:
+            await asyncio.sleep(0.01)
+        assert router.pick(req("s1", short)) is first
+        assert router.pick(req(None, short)) is not first
+        await busy
+
+        # Server b dies. A request pinned to it (affinity) fails before any token: retried on a.
+        pinned = next(f"s{i}" for i in range(100) if router.pick(req(f"s{i}", short)) is bb)
+        b.kill()
+        r = await collect(router, req(pinned, short))
+        assert len(r.token_ids) == 4
+        assert not bb.healthy  # ejected by the failure
+        health = await router.health()
+        assert health.ok
+        assert "ejected" in health.detail
+    finally:
+        await router.close()
+
+
+async def test_death_mid_generation_is_an_error_then_ejection_and_readmission(
+    two: tuple[FakeServer, FakeServer], tiny_model: Path
+) -> None:
+    a, b = two
+    router = await router_over(a, b, eject_after=1, readmit_after=2)
+    router.start()
+    ba, _ = router.backends
+    try:
+        request = req()
+        assert router.pick(request) is ba
+        got: list[int] = []
+
+        async def consume_and_kill_a() -> None:
+            async for chunk in router.generate(request):
+                got.extend(chunk.token_ids)
+                if len(got) >= 3 and a.proc.poll() is None:
+                    a.kill()
+
+        with pytest.raises(EngineUnavailableError, match="mid-generation"):
+            await consume_and_kill_a()
+        assert got  # tokens came, then the error
+        assert not ba.healthy
+        # Everything now goes to b, and it works.
+        r = await collect(router, req(sampling=SamplingParams(max_new_tokens=5)))
+        assert r.finish_reason in {FinishReason.LENGTH, FinishReason.STOP}
+
+        # Health checks re-admit a server once it answers again (here: restarted on its port).
+        port = int(a.url.rsplit(":", 1)[1])
+        with run_fake_sglang(tiny_model, port=port):
+            for _ in range(200):
+                if ba.healthy:
+                    break
+                await asyncio.sleep(0.1)
+            assert ba.healthy
+            r = await collect(router, req(sampling=SamplingParams(max_new_tokens=5)))
+            assert r.token_ids
+    finally:
+        await router.close()
+
+
+def test_gateway_answers_503_when_its_server_dies_mid_generation(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    with (
+        run_fake_sglang(tiny_model) as a,
+        run_fake_sglang(tiny_model) as b,
+        run_gateway(
+            tiny_model,
+            tmp_path,
+            extra_args=["--engine", "sglang", "--engine-url", a.url, "--engine-url", b.url],
+        ) as gw,
+    ):
+        s = gw.new_session()
+        headers = {"Authorization": f"Bearer {s['api_key']}"}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1500,
+            "ignore_eos": True,
+        }
+
+        async def scenario() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=120) as http:
+                call = asyncio.create_task(
+                    http.post(f"{s['base_url']}/chat/completions", json=body, headers=headers)
+                )
+                # The first request goes to the first server; kill it once it is generating.
+                while not (await http.get(f"{a.url}/v1/loads")).json()["loads"][0][
+                    "num_running_reqs"
+                ]:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.2)
+                a.kill()
+                return await call
+
+        r = asyncio.run(scenario())
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert "mid-generation" in error["message"]
+        assert error["type"]
+        # The router ejected it; the next request is served by the other server.
+        ok = httpx.post(
+            f"{s['base_url']}/chat/completions",
+            json=body | {"max_tokens": 4},
+            headers=headers,
+            timeout=60,
+        )
+        assert ok.status_code == 200, ok.text

@@ -1,0 +1,281 @@
+"""The SGLang adapter against `tests/support/fake_sglang.py` (SGLang's documented HTTP shapes,
+real generation with the tiny model through transformers), and against real SGLang on a GPU.
+
+Logprobs are checked against a teacher-forced transformers pass on the same tokens, so the
+adapter's parsing of streamed, cumulative `output_token_logprobs` is checked token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engines.base import FinishReason, GenerateRequest, SamplingParams, WeightUpdate, collect
+from engines.errors import WeightUpdateError
+from engines.sglang import SGLangEngine, SGLangEngineConfig
+from tests.support.fake_sglang import FakeServer, run_fake_sglang
+
+pytestmark = pytest.mark.slow
+
+PROMPT = (1, 5, 9, 20, 30)
+ATOL = 1e-4
+BUDGET = 1200
+"""Tokens of the requests a weight update interrupts: seconds of generation on the fake."""
+
+
+@pytest.fixture(scope="module")
+def fake(tiny_model: Path) -> Iterator[FakeServer]:
+    with run_fake_sglang(tiny_model) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with every weight perturbed: a "new policy" to load."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("trained") / "model"
+    shutil.copytree(tiny_model, out)
+    state = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def teacher_forced(model_dir: Path, tokens: list[int], temperature: float) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    picked = logp[:-1].gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return [0.0, *picked.tolist()]
+
+
+async def connect(url: str) -> SGLangEngine:
+    return await SGLangEngine.connect(SGLangEngineConfig(url=url))
+
+
+async def test_tokens_and_logprobs_are_the_models(fake: FakeServer, tiny_model: Path) -> None:
+    engine = await connect(fake.url)
+    try:
+        assert engine.max_model_len == 2048
+        sampling = SamplingParams(
+            temperature=0.7, seed=4, max_new_tokens=12, top_logprobs=2, ignore_eos=True
+        )
+        r = await collect(engine, GenerateRequest(prompt_ids=PROMPT, sampling=sampling))
+        again = await collect(engine, GenerateRequest(prompt_ids=PROMPT, sampling=sampling))
+    finally:
+        await engine.close()
+    assert r.finish_reason == FinishReason.LENGTH
+    assert len(r.token_ids) == len(r.logprobs) == len(r.top_logprobs) == 12
+    assert again.token_ids == r.token_ids  # sampling_seed reproduces
+    expected = teacher_forced(tiny_model, list(PROMPT + r.token_ids), 0.7)[len(PROMPT) :]
+    assert list(r.logprobs) == pytest.approx(expected, abs=ATOL)
+    assert set(r.versions) == {0}
+    for top in r.top_logprobs:
+        assert top[0][1] >= top[1][1]
+
+
+async def test_abort_mid_generation_returns_the_partial_output(fake: FakeServer) -> None:
+    engine = await connect(fake.url)
+    try:
+        req = GenerateRequest(
+            prompt_ids=PROMPT, sampling=SamplingParams(max_new_tokens=1500, ignore_eos=True)
+        )
+        got: list[int] = []
+        finish = None
+        async for chunk in engine.generate(req):
+            got += chunk.token_ids
+            finish = chunk.finish_reason
+            if len(got) >= 3 and finish is None:
+                await engine.abort(req.request_id)
+        assert finish == FinishReason.ABORT
+        assert 3 <= len(got) < 1500
+    finally:
+        await engine.close()
+
+
+async def test_weight_update_from_disk_resubmits_in_flight_requests(
+    tiny_model: Path, trained_dir: Path
+) -> None:
+    with run_fake_sglang(tiny_model) as server:  # its own server: the weights change
+        engine = await connect(server.url)
+        try:
+            sampling = SamplingParams(max_new_tokens=BUDGET, ignore_eos=True)
+            reqs = [GenerateRequest(prompt_ids=PROMPT, sampling=sampling) for _ in range(2)]
+
+            async def swap() -> int:
+                while engine.live_requests < 2:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.1)
+                return await engine.update_weights(WeightUpdate(path=trained_dir))
+
+            *results, version = await asyncio.gather(*(collect(engine, q) for q in reqs), swap())
+            assert version == 1
+            with pytest.raises(WeightUpdateError, match="not newer"):
+                await engine.update_weights(WeightUpdate(path=trained_dir, version=1))
+        finally:
+            await engine.close()
+        again = await connect(server.url)
+        assert again.version() == 1  # the server's weight_version label
+        await again.close()
+    for r in results:
+        assert r.finish_reason == FinishReason.LENGTH
+        assert len(r.token_ids) == BUDGET
+        swap_at = r.versions.index(1)
+        assert swap_at > 0
+        assert r.versions == (0,) * swap_at + (1,) * (BUDGET - swap_at)
+        tokens = list(PROMPT + r.token_ids)
+        old = teacher_forced(tiny_model, tokens, 1.0)[len(PROMPT) :]
+        new = teacher_forced(trained_dir, tokens, 1.0)[len(PROMPT) :]
+        assert list(r.logprobs[:swap_at]) == pytest.approx(old[:swap_at], abs=ATOL)
+        assert list(r.logprobs[swap_at:]) == pytest.approx(new[swap_at:], abs=ATOL)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def test_weights_over_a_process_group(tiny_model: Path, trained_dir: Path) -> None:
+    """`/init_weights_update_group` + `/update_weights_from_distributed` while the trainer (rank 0)
+    broadcasts; the fake server uses gloo where SGLang uses NCCL."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    state = load_file(str(trained_dir / "model.safetensors"))
+    names = sorted(state)
+    port = _free_port()
+    timeout = datetime.timedelta(seconds=60)
+    with run_fake_sglang(tiny_model) as server:
+        engine = await connect(server.url)
+        try:
+
+            def open_group() -> Any:
+                store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout)
+                return dist.ProcessGroupGloo(store, 0, 2, timeout)
+
+            group, _ = await asyncio.gather(
+                asyncio.to_thread(open_group),
+                engine.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo"),
+            )
+
+            def send() -> None:
+                opts = dist.BroadcastOptions()
+                opts.rootRank = 0
+                for name in names:
+                    group.broadcast([state[name].contiguous()], opts).wait()
+
+            async def broadcast() -> None:
+                await asyncio.to_thread(send)
+
+            version = await engine.update_weights_from_distributed(
+                names,
+                [str(state[n].dtype).removeprefix("torch.") for n in names],
+                [list(state[n].shape) for n in names],
+                broadcast,
+            )
+            assert version == 1
+            sampling = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+            r = await collect(engine, GenerateRequest(prompt_ids=PROMPT, sampling=sampling))
+        finally:
+            await engine.close()
+    assert set(r.versions) == {1}
+    tokens = list(PROMPT + r.token_ids)
+    new = teacher_forced(trained_dir, tokens, 1.0)[len(PROMPT) :]
+    assert list(r.logprobs) == pytest.approx(new, abs=ATOL)
+
+
+async def test_pause_holds_requests_and_resume_continues_them(fake: FakeServer) -> None:
+    engine = await connect(fake.url)
+    try:
+        sampling = SamplingParams(max_new_tokens=200, ignore_eos=True)
+        req = GenerateRequest(prompt_ids=PROMPT, sampling=sampling)
+        task = asyncio.create_task(collect(engine, req))
+        while engine.live_requests == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        await engine.pause()
+        assert (await engine.health()).paused
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        await engine.resume()
+        r = await task
+        assert r.finish_reason == FinishReason.LENGTH
+        assert len(r.token_ids) == 200
+        assert set(r.versions) == {0}
+    finally:
+        await engine.close()
+
+
+# -- real SGLang (GPU machines) ---------------------------------------------------------------
+
+
+def _sglang_available() -> bool:
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sglang_available(), reason="needs CUDA and the sglang package")
+def test_real_sglang_generates_and_swaps_weights(
+    tiny_model: Path, trained_dir: Path, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model)]
+    cmd += ["--port", str(port), "--host", "127.0.0.1", "--dtype", "float32"]
+
+    async def scenario() -> Any:
+        engine = await connect(url)
+        try:
+            sampling = SamplingParams(max_new_tokens=400, ignore_eos=True)
+            req = GenerateRequest(prompt_ids=PROMPT, sampling=sampling)
+            task = asyncio.create_task(collect(engine, req))
+            await asyncio.sleep(0.2)
+            assert await engine.update_weights(WeightUpdate(path=trained_dir)) == 1
+            return await task
+        finally:
+            await engine.close()
+
+    with open(tmp_path / "sglang.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
+        try:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(1)
+            r = asyncio.run(scenario())
+        finally:
+            proc.kill()
+            proc.wait()
+    assert len(r.token_ids) == 400
+    assert r.versions[-1] == 1
+    tokens = list(PROMPT + r.token_ids)
+    new = teacher_forced(trained_dir, tokens, 1.0)[len(PROMPT) :]
+    at = r.versions.index(1)
+    assert list(r.logprobs[at:]) == pytest.approx(new[at:], abs=1e-2)  # GPU kernels differ
