@@ -173,6 +173,26 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     demo.add_argument("--model", help="start from this HF model directory instead (no warm start)")
     demo.add_argument(
+        "--engine",
+        choices=["local", "vllm", "sglang"],
+        default="local",
+        help="inference engine: the embedded one (default), or vLLM/SGLang servers (with --model)",
+    )
+    demo.add_argument(
+        "--engine-url",
+        action="append",
+        default=[],
+        dest="engine_urls",
+        metavar="URL",
+        help="a vLLM/SGLang server serving --model (repeat for several: a router)",
+    )
+    demo.add_argument(
+        "--engine-launch",
+        action="store_true",
+        help="start and supervise a local vLLM server on --model (with --engine vllm)",
+    )
+    demo.add_argument("--vllm-python", help="Python of a venv with vLLM, for --engine-launch")
+    demo.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="run config overrides (as for train)"
     )
 
@@ -253,4 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m gateway.cli`: run the imported module's main, so that the commands' CLIError
+    # (gateway.cli.CLIError) is the class main catches, not a __main__ copy of it.
+    from gateway.cli import main as _main
+
+    sys.exit(_main())

@@ -51,6 +51,12 @@ def run_demo_command(args: argparse.Namespace) -> int:
         eta=args.eta,
         workers=args.workers,
         overrides=tuple(args.overrides),
+        engine={
+            "engine": args.engine,
+            "engine_urls": args.engine_urls,
+            "engine_launch": args.engine_launch,
+            "vllm_python": args.vllm_python,
+        },
     )
     what = f"training with {args.algorithm}" if options.train else "no training (a control run)"
     print(
@@ -75,6 +81,13 @@ def _check(args: argparse.Namespace) -> None:
             raise CLIError(f"--{name.replace('_', '-')} must be at least 1")
     if args.lr < 0:
         raise CLIError("--lr must be >= 0")
+    if args.engine != "local":
+        if not args.model:
+            raise CLIError(f"--engine {args.engine} needs --model DIR: the model its servers serve")
+        if not args.engine_urls and not args.engine_launch:
+            raise CLIError(f"--engine {args.engine} needs --engine-url URL (or --engine-launch)")
+        if args.engine_launch and args.engine != "vllm":
+            raise CLIError("--engine-launch starts vLLM only: use it with --engine vllm")
     if args.model and not (Path(args.model) / "config.json").is_file():
         raise CLIError(f"{args.model} is not a Hugging Face model directory (no config.json)")
     from trainer.algorithms.config import PRESETS

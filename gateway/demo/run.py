@@ -16,7 +16,7 @@ import asyncio
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ class DemoOptions:
     """Concurrent agent workers; each runs one GRPO group (group_size agents) at a time."""
     overrides: tuple[str, ...] = ()
     """Extra run-config overrides (KEY=VALUE), as `rlgateway train` takes them."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """Engine settings for the gateway (`engine`, `engine_urls`, ...; see GatewaySettings)."""
 
 
 def train_config(o: DemoOptions, run_id: str, database_url: str) -> Any:
@@ -86,6 +88,7 @@ async def run_demo(o: DemoOptions) -> dict[str, Any]:
         host="127.0.0.1",
         port=port,
         served_model_name="demo",
+        **o.engine,
     )
     assert settings.admin_token is not None
     c = await load_components(settings)

@@ -4,6 +4,7 @@ control run, each checked through its outputs and the store it wrote."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -76,13 +77,26 @@ def test_demo_without_training_is_the_control(tmp_path: Path) -> None:
     assert all(r[1] != "consumed" for r in rows)
 
 
-def test_demo_rejects_bad_flags_before_loading_anything(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--group-size", "1"], "--group-size must be at least 2"),
+        (["--minutes", "0"], "--minutes must be positive"),
+        (["--algorithm", "nope"], "unknown --algorithm 'nope'"),
+        (["--engine", "vllm"], "--engine vllm needs --model DIR"),
+        (["--model", "/nonexistent"], "is not a Hugging Face model directory"),
+    ],
+)
+def test_demo_rejects_bad_flags_before_loading_anything(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "demo", "--group-size", "1"],
+        [sys.executable, "-m", "gateway.cli", "demo", *flags],
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
     assert proc.returncode == 2
-    assert "--group-size must be at least 2" in proc.stderr
+    assert message in proc.stderr
     assert not (tmp_path / "demo-out").exists()
