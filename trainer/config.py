@@ -93,7 +93,14 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
-        self.algorithm_config()  # a bad preset or knob fails at load time
+        algo = self.algorithm_config()  # a bad preset or knob fails at load time
+        buffer = algo.overlong_buffer
+        if buffer is not None and self.max_tokens is not None and buffer > self.max_tokens:
+            raise ValueError(
+                f"algo.overlong_buffer ({buffer}) exceeds max_tokens ({self.max_tokens}): DAPO's "
+                "overlong penalty grows over the last overlong_buffer tokens before max_tokens; "
+                "set algo.overlong_buffer to at most max_tokens"
+            )
         if self.batch_size % self.group_size and self.partial_groups == "wait":
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of group_size "

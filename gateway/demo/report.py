@@ -90,11 +90,13 @@ class Progress:
 
 
 def summarize(rows: list[Row], *, trained: bool, seconds: float, steps: int) -> dict[str, Any]:
-    """`reward_start`/`reward_end`: mean reward of the first and last fifth of the rows (at least
-    one row each)."""
-    k = max(1, len(rows) // 5)
-    start = statistics.fmean(r.reward for r in rows[:k]) if rows else 0.0
-    end = statistics.fmean(r.reward for r in rows[-k:]) if rows else 0.0
+    """`reward_start`: mean reward of the first tenth of the episodes (the warm-started policy,
+    before training has had much effect); `reward_end`: of the last fifth. Each is taken over
+    whole windows, at least one."""
+    k_start = max(1, len(rows) // 10)
+    k_end = max(1, len(rows) // 5)
+    start = statistics.fmean(r.reward for r in rows[:k_start]) if rows else 0.0
+    end = statistics.fmean(r.reward for r in rows[-k_end:]) if rows else 0.0
     return {
         "reward_start": start,
         "reward_end": end,
@@ -104,6 +106,18 @@ def summarize(rows: list[Row], *, trained: bool, seconds: float, steps: int) -> 
         "episodes": rows[-1].episodes if rows else 0,
         "curve": [asdict(r) for r in rows],
     }
+
+
+def rolling(values: list[float], n: int) -> list[float]:
+    """Mean of the last `n` values (fewer at the start) at each index."""
+    out = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= n:
+            total -= values[i - n]
+        out.append(total / min(i + 1, n))
+    return out
 
 
 def write_outputs(out_dir: Path, summary: dict[str, Any], title: str) -> Path:
@@ -123,11 +137,21 @@ def plot_curve(curve: list[dict[str, Any]], path: Path, *, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     xs = [r["seconds"] / 60 for r in curve]
-    ax.plot(xs, [r["reward"] for r in curve], marker=".", linewidth=1.5, label="mean reward")
+    rewards = [r["reward"] for r in curve]
+    ax.plot(xs, rewards, ".", color="tab:blue", alpha=0.25, markersize=3, label="one window")
+    smooth = max(1, len(curve) // 20)
+    ax.plot(
+        xs,
+        rolling(rewards, smooth),
+        color="tab:blue",
+        linewidth=2,
+        label=f"mean of {smooth} windows",
+    )
     ax.set_xlabel("minutes")
-    ax.set_ylabel("mean reward (per window of episodes)")
+    ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
     ax.set_title(title)
     if any(r["step"] for r in curve):
         ax2 = ax.twinx()

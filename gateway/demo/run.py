@@ -64,6 +64,10 @@ def train_config(o: DemoOptions, run_id: str, database_url: str) -> Any:
         "checkpoint_dir": str(o.out / "checkpoints"),
         "keep_checkpoints": 1,
     }
+    from trainer.algorithms.config import PRESETS
+
+    if PRESETS[o.algorithm].overlong_buffer is not None:  # DAPO: shape over the last half
+        data["algo"] = {"overlong_buffer": MAX_TOKENS // 2}
     return TrainConfig.model_validate(apply_overrides(data, list(o.overrides)))
 
 

@@ -119,3 +119,11 @@ def test_bad_values_are_rejected_clearly(overrides: dict[str, Any], message: str
 def test_config_is_frozen() -> None:
     with pytest.raises(pydantic.ValidationError):
         PRESETS["grpo"].eps_low = 0.1
+
+
+def test_a_run_config_refuses_an_overlong_buffer_longer_than_max_tokens() -> None:
+    from trainer.config import load_config
+
+    with pytest.raises(ValueError, match=r"overlong_buffer \(512\) exceeds max_tokens \(10\)"):
+        load_config(None, ["algorithm=dapo", "max_tokens=10"])
+    assert load_config(None, ["algorithm=dapo", "max_tokens=10", "algo.overlong_buffer=5"])
