@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/bench_trainer.py [--model-size test|demo] [--seqs 64] [--steps 3]
 
-1. Training tokens/s of the FSDP backend (packed micro-batches, no padding) against a plain
+1. Training tokens/s of the FSDP backend (packed micro-batches, no padding; per-sequence varlen
+   attention and, for comparison, SDPA with a block-diagonal mask over the row) against a plain
    single-process torch loop on the same sequences (padded batches of 8, the same policy-gradient
    loss, AdamW), and the padding each way wastes.
 2. Hot-swap: `engine.update_weights(state_dict)` into the local engine, idle and with 32
@@ -48,10 +49,12 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, norm: flo
     return -(logp * adv * mask).sum() / norm
 
 
-def backend_run(model_dir: str, seqs: list[Any], steps: int, budget: int) -> float:
+def backend_run(
+    model_dir: str, seqs: list[Any], steps: int, budget: int, attention: str = "varlen"
+) -> float:
     from trainer.backends.fsdp import FSDPBackend
 
-    backend = FSDPBackend(model_dir, lr=1e-5)
+    backend = FSDPBackend(model_dir, lr=1e-5, attention=attention)  # type: ignore[arg-type]
     norm = float(sum(s.num_loss_tokens for s in seqs))
 
     def loss_fn(logp_1T: torch.Tensor, mb: Any, n: float) -> tuple[torch.Tensor, dict[str, float]]:
@@ -157,6 +160,7 @@ def main() -> None:
     seqs = make_sequences(args.seqs, vocab, seed=0)
     tokens = sum(len(s) for s in seqs)
     t_backend = backend_run(model_dir, seqs, args.steps, args.token_budget)
+    t_masked = backend_run(model_dir, seqs, args.steps, args.token_budget, attention="sdpa")
     t_plain, waste = plain_run(model_dir, seqs, args.steps, batch=8)
     swap = asyncio.run(swap_times(model_dir, repeats=3))
     size = TINY_SIZES[args.model_size]
@@ -168,14 +172,19 @@ def main() -> None:
     print("| trainer | s/step | tokens/s | padding waste |")
     print("|---|---:|---:|---:|")
     print(
-        f"| FSDP backend, packed (budget {args.token_budget}) | {t_backend:.2f} | "
-        f"{tokens / t_backend:.0f} | 0% |"
+        f"| FSDP backend, packed (budget {args.token_budget}), varlen attention | "
+        f"{t_backend:.2f} | {tokens / t_backend:.0f} | 0% |"
+    )
+    print(
+        f"| FSDP backend, packed (budget {args.token_budget}), sdpa block-diagonal mask | "
+        f"{t_masked:.2f} | {tokens / t_masked:.0f} | 0% |"
     )
     print(
         f"| plain torch loop, padded batches of 8 | {t_plain:.2f} | {tokens / t_plain:.0f} | "
         f"{100 * waste:.0f}% |"
     )
-    print(f"\nbackend / plain throughput: {t_plain / t_backend:.2f}x\n")
+    print(f"\nbackend (varlen) / plain throughput: {t_plain / t_backend:.2f}x")
+    print(f"backend (sdpa mask) / plain throughput: {t_plain / t_masked:.2f}x\n")
     print("| hot-swap | ms |")
     print("|---|---:|")
     print(f"| copy the state dict (clone) | {1000 * swap['copy']:.1f} |")

@@ -32,7 +32,7 @@ class EmbeddedTrainer:
         cls, cfg: TrainConfig, c: Components, settings: GatewaySettings
     ) -> EmbeddedTrainer:
         from engines.tiny_model import tiny_model_dir
-        from trainer.backends.registry import build_backend
+        from trainer.backends.registry import build_backend, build_value_backend
         from trainer.loop import Trainer
         from trainer.publish import LocalPublisher
 
@@ -49,7 +49,14 @@ class EmbeddedTrainer:
             reference = await asyncio.to_thread(
                 build_backend, cfg.backend_config(str(Path(model_dir)))
             )
-        trainer = Trainer(cfg, c.store, backend, LocalPublisher(c.engine), reference=reference)
+        critic = None
+        if cfg.algorithm_config().use_critic:
+            critic = await asyncio.to_thread(
+                build_value_backend, cfg.critic_backend_config(str(Path(model_dir)))
+            )
+        trainer = Trainer(
+            cfg, c.store, backend, LocalPublisher(c.engine), reference=reference, critic=critic
+        )
         await trainer.resume()
         stop = asyncio.Event()
         task = asyncio.create_task(trainer.run(stop), name="rlgateway-trainer")
@@ -60,6 +67,7 @@ class EmbeddedTrainer:
         self._stop.set()
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
+        self.trainer.close()
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:
