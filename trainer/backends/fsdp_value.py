@@ -3,7 +3,7 @@
 `FSDPValueBackend` is `FSDPBackend` with two things swapped: the model is the policy's Hugging Face
 architecture loaded as a token classifier with one label (`AutoModelForTokenClassification`, as
 AReaL's critic), so the backbone starts from the policy's weights and only the value head `score`
-is new (seeded by the backend's `seed`; the classifier dropout is 0 so values are deterministic);
+(hidden -> 1, no bias) is new (seeded by the backend's `seed`; the classifier dropout is 0 so values are deterministic);
 and what the loss callback sees at each row position is that position's value instead of a
 logprob. Sharding, packing, data parallelism, gradient accumulation, clipping, the LR schedule
 and DCP checkpoints are the policy backend's own code.
@@ -24,19 +24,25 @@ from trainer.backends.fsdp import FSDPBackend
 from trainer.batch import MicroBatch, TrainSequence
 
 
+def load_value_model(model_dir: str, attn_implementation: str = "sdpa") -> Any:
+    """The value model of `model_dir` as plain HF: a one-label token classifier, no dropout."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(model_dir, num_labels=1)
+    config.classifier_dropout = 0.0  # values must not be noisy in training mode
+    # No bias (as OpenRLHF's value head): a biased head's [1, T, 1] output is a view of its
+    # addmm, which FSDP2 flags since in-place ops on it would skip its backward hook.
+    config.token_classification_bias = False
+    return AutoModelForTokenClassification.from_pretrained(
+        model_dir, config=config, dtype=torch.float32, attn_implementation=attn_implementation
+    )
+
+
 class FSDPValueBackend(FSDPBackend):
     """A `ValueBackend` over FSDP2; same constructor as `FSDPBackend`."""
 
     def _load_model(self, model_dir: str, attn_implementation: str) -> Any:
-        from transformers import AutoModelForTokenClassification
-
-        return AutoModelForTokenClassification.from_pretrained(
-            model_dir,
-            num_labels=1,
-            classifier_dropout=0.0,
-            dtype=torch.float32,
-            attn_implementation=attn_implementation,
-        )
+        return load_value_model(model_dir, attn_implementation)
 
     def _per_position(
         self, logits: torch.Tensor, mb: MicroBatch, temperature: float
