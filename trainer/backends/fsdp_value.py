@@ -1,12 +1,12 @@
 """The PPO critic on the FSDP2 machinery: the policy's backbone with a scalar value head.
 
-`FSDPValueBackend` is `FSDPBackend` with two things swapped: the model is the policy's Hugging Face
-architecture loaded as a token classifier with one label (`AutoModelForTokenClassification`, as
-AReaL's critic), so the backbone starts from the policy's weights and only the value head `score`
-(hidden -> 1, no bias) is new (seeded by the backend's `seed`; the classifier dropout is 0 so values are deterministic);
-and what the loss callback sees at each row position is that position's value instead of a
-logprob. Sharding, packing, data parallelism, gradient accumulation, clipping, the LR schedule
-and DCP checkpoints are the policy backend's own code.
+`FSDPValueBackend` is `FSDPBackend` with two things swapped. The model is the policy's Hugging
+Face architecture loaded as a token classifier with one label (`AutoModelForTokenClassification`,
+as AReaL's critic), so the backbone starts from the policy's weights and only the value head
+`score` (hidden -> 1, no bias) is new, seeded by the backend's `seed`; its dropout is 0, so values
+are deterministic. And what the loss callback sees at each row position is that position's value
+instead of a logprob. Sharding, packing, data parallelism, gradient accumulation, clipping, the LR
+schedule and DCP checkpoints are the policy backend's own code.
 
 Alignment: the value at row position i is the critic's estimate of the state before the token at
 i + 1 is sampled, the same "by predicting position" layout as logprobs, so `forward_values` gives
