@@ -1,12 +1,12 @@
 """Where each training step's metrics go: metrics.jsonl, TensorBoard, W&B, and a report callback.
 
-Only the leader rank emits. TensorBoard and W&B are imported lazily; W&B is optional and checked
-when the sink is built, so a run that asks for it without it installed fails before training.
+Only the leader rank emits. TensorBoard and W&B are imported lazily (never at module import); W&B
+is optional and imported when the sink is built, so a run that asks for it without it installed
+fails before training, with the command that fixes it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import re
@@ -35,11 +35,16 @@ class MetricsSink:
         self.tensorboard = cfg.tensorboard
         self._tb: Any = None
         self._wandb: Any = None
-        if cfg.wandb is not None and importlib.util.find_spec("wandb") is None:
-            raise ValueError(
-                "W&B logging is configured (the run config's `wandb` section) but wandb is not "
-                "installed: pip install wandb (or remove the wandb section)"
-            )
+        self._wandb_module: Any = None
+        if cfg.wandb is not None:
+            try:
+                import wandb
+            except ImportError as exc:
+                raise ValueError(
+                    "W&B logging is configured (the run config's `wandb` section) but wandb is "
+                    "not installed: pip install wandb (or remove the wandb section)"
+                ) from exc
+            self._wandb_module = wandb
 
     def emit(self, row: dict[str, Any]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -81,10 +86,8 @@ class MetricsSink:
         w = self.cfg.wandb
         assert w is not None
         if self._wandb is None:
-            import wandb
-
             self.root.mkdir(parents=True, exist_ok=True)
-            self._wandb = wandb.init(
+            self._wandb = self._wandb_module.init(
                 project=w.project,
                 entity=w.entity,
                 name=w.name or self.cfg.run or None,
