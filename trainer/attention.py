@@ -13,7 +13,9 @@ builds no [T, T] mask for it at all (`masking_utils._preprocess_mask_arguments` 
 
 Contract: the model is called with `position_ids` that restart at 0 at each sequence start (as
 `MicroBatch.position_ids_1T`), no attention mask and no KV cache (training and scoring passes
-only; generation keeps its own kernel). A row whose positions never reset is one sequence.
+only; generation keeps its own kernel). A row whose positions never reset is one sequence. The
+decoder layers must pass `position_ids` on to the attention function (transformers' Llama-family
+models, Qwen2 among them, do); otherwise it raises rather than attend across sequences.
 """
 
 from __future__ import annotations
@@ -70,9 +72,12 @@ def varlen_attention_forward(
     if key.shape[2] != query.shape[2]:
         raise ValueError(f"{VARLEN} attention is for full forwards without a KV cache")
     position_ids = kwargs.get("position_ids")
-    b, _, t, _ = query.shape
-    if position_ids is None:
-        position_ids = torch.arange(t, device=query.device)[None]
+    if position_ids is None:  # without them the sequences of a packed row would run together
+        raise ValueError(
+            f"{VARLEN} attention needs the position_ids passed down to the attention layers, "
+            "which this model architecture does not do: set optim.attention to sdpa"
+        )
+    b = query.shape[0]
     position_ids = position_ids.expand(b, -1)
     gqa = query.shape[1] != key.shape[1]
     rows = []

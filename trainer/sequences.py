@@ -8,6 +8,11 @@ Per-turn advantages: turn i of trajectory n has the discounted return G_ni (the 
 `returns`). The group baseline is taken over the episode returns G_n0 of the group, and the turn's
 advantage is `(G_ni - b_g) / s_g`, where s_g is the group std for mean_std and 1 otherwise: for a
 single turn, or a final reward with gamma 1, this is exactly GRPO/RLOO/Dr.GRPO on the episode.
+
+With a critic (PPO) the critic's values replace the group baseline: each turn's reward goes on its
+last sampled token (`critic_token_rewards`), the loop asks the critic for its values of the batch,
+and `with_gae` turns rewards and values into GAE advantages (batch-normalised as above) and the
+returns the critic regresses on.
 """
 
 from __future__ import annotations
