@@ -316,7 +316,10 @@ def test_sigkill_mid_run_resumes_and_trains_each_trajectory_exactly_once(
     assert consumed_per_step(tmp_path / "store.db") == dict.fromkeys(range(1, steps + 1), batch)
 
 
-def test_trainer_under_torchrun_with_two_processes(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_trainer_under_torchrun_with_two_processes(
+    tiny_model: Path, tmp_path: Path, algorithm: str
+) -> None:
     import os
     import socket
     import subprocess
@@ -343,6 +346,7 @@ def test_trainer_under_torchrun_with_two_processes(tiny_model: Path, tmp_path: P
         "train",
         "--config",
         str(config),
+        f"algorithm={algorithm}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -351,6 +355,9 @@ def test_trainer_under_torchrun_with_two_processes(tiny_model: Path, tmp_path: P
     metrics = (tmp_path / "ckpt" / "metrics.jsonl").read_text()
     rows = [json.loads(line) for line in metrics.splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # written by rank 0 only
+    # with a critic, both ranks trained it and its sharded state was checkpointed
+    assert all(("value_loss" in r) == (algorithm == "ppo") for r in rows)
+    assert (tmp_path / "ckpt" / f"step-{steps:06d}" / "critic").is_dir() == (algorithm == "ppo")
 
 
 async def test_ppo_trains_a_critic_and_resumes_it_exactly(tiny_model: Path, tmp_path: Path) -> None:
