@@ -82,19 +82,23 @@ def varlen_attention_forward(
     gqa = query.shape[1] != key.shape[1]
     rows = []
     for row in range(b):
+        bounds = segment_bounds(position_ids[row])
+        lengths = [end - start for start, end in bounds]
+        # split, not slicing: its backward is one concatenation, where each slice's backward
+        # would write a full-size zero gradient (a cost of sequences x row length per layer)
+        qs = torch.split(query[row : row + 1], lengths, dim=2)
+        ks = torch.split(key[row : row + 1], lengths, dim=2)
+        vs = torch.split(value[row : row + 1], lengths, dim=2)
         parts = []
-        for start, end in segment_bounds(position_ids[row]):
-            q = query[row : row + 1, :, start:end]
-            k = key[row : row + 1, :, start:end]
-            v = value[row : row + 1, :, start:end]
+        for q, k, v, n in zip(qs, ks, vs, lengths, strict=True):
             mask = None
-            if sliding_window is not None and end - start > sliding_window:
-                mask = _window_mask(end - start, sliding_window, query.device)
+            if sliding_window is not None and n > sliding_window:
+                mask = _window_mask(n, sliding_window, query.device)
             parts.append(
                 F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
+                    q.contiguous(),
+                    k.contiguous(),
+                    v.contiguous(),
                     attn_mask=mask,
                     dropout_p=dropout,
                     is_causal=mask is None,
