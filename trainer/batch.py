@@ -10,8 +10,10 @@ transformers (5.x, `masking_utils.find_packed_sequence_indices`) then reads ever
 a sequence boundary and builds a block-diagonal causal mask for the eager and sdpa kernels, so
 each sequence gets exactly the logits it would get alone. The model must be called with
 `use_cache=False`: with a cache the reset detection is skipped. `tests/unit/test_batch.py` holds
-this to 1e-5. (flash-attention turns the same resets into varlen `cu_seqlens`; that path needs a
-GPU and is not exercised here.)
+this to 1e-5. That mask makes attention quadratic in the whole row, so the backend's default
+kernel is `trainer.attention.VARLEN` instead, which splits the row at the same resets and attends
+per sequence (held to the same 1e-5, gradients included). (flash-attention turns the resets into
+varlen `cu_seqlens`; that path needs a GPU and is not exercised here.)
 
 **Shifted alignment.** The logits at row position i predict the token at i + 1, so a micro-batch
 stores everything "by predicting position": `targets_1T[i]` is the next token of the same sequence,

@@ -101,9 +101,11 @@ class TrainConfig(BaseModel):
     temperature: float = Field(1.0, gt=0)
     """The sampling temperature of the run's requests: logprobs are log_softmax(logits / T)."""
     token_budget: int = Field(1024, ge=16)
-    """Tokens per packed micro-batch (gradient accumulation over micro-batches). Attention
-    without a varlen kernel (SDPA on CPU) is quadratic in the packed row, so keep it near the
-    typical sequence length there; with flash-attention on GPUs raise it (e.g. 16384)."""
+    """Tokens per packed micro-batch (gradient accumulation over micro-batches). With the default
+    varlen attention (`optim.attention`) attention costs per sequence, not per row, so the budget
+    mostly bounds activation memory; on CPU 512-1024 measured fastest (BENCHMARKS.md, Trainer:
+    per-sequence attention). With sdpa's block-diagonal mask attention is quadratic in the row:
+    keep it near the typical sequence length there. On GPUs raise it (e.g. 16384)."""
     discount: float = Field(1.0, ge=0, le=1)
     """Per-turn discount gamma of the returns."""
     max_tokens: int | None = Field(None, ge=1)
