@@ -1,6 +1,7 @@
 """Trainer throughput and hot-swap cost, side by side in one run.
 
-    .venv/bin/python bench/bench_trainer.py [--model-size test|demo] [--seqs 64] [--steps 5] [--token-budget B]
+    .venv/bin/python bench/bench_trainer.py [--model-size test|demo] [--seqs 64] [--steps 5]
+        [--token-budget B]
 
 1. Training tokens/s of the FSDP backend (packed micro-batches, no padding; per-sequence varlen
    attention and, for comparison, SDPA with a block-diagonal mask over the row) against a plain
