@@ -2,19 +2,26 @@
 `rlgateway serve` over HTTP (recorded into sessions in the store), side by side in one run.
 
     .venv/bin/python bench/bench_gateway.py [--clients 64] [--requests 4] [--max-tokens 32]
-        [--database-url postgresql://...]
+        [--database-url postgresql://...] [--gateway NAME=SERVE_ARGS ...] [--baseline DIR]
+        [--repeat N]
 
 Each of C concurrent clients sends R requests one after another; every request is a fresh
 single-turn chat (its own session through the gateway) with the same seeds on both sides, so both
 sides sample the same tokens. Latency is measured per request from send to the full response.
 Prints a markdown table: p50/p99 latency, throughput, and the gateway's added latency and
-throughput ratio.
+throughput ratio. `--gateway` measures more than one gateway configuration in the same run (e.g.
+`--gateway "engine process=" --gateway "in-process engine=--in-process-engine"`); `--repeat`
+alternates direct and gateway runs N times and reports each row's median run (by throughput), as
+the machine's other load comes and goes. The CPU seconds that the gateway process and its engine
+process spent per request are reported too (Linux /proc), which other load does not inflate.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -82,13 +89,36 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
 def through_gateway(
-    model_dir: Path, clients: int, requests: int, max_tokens: int, database_url: str | None
+    model_dir: Path,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    database_url: str | None,
+    serve_args: list[str],
+    checkout: str | None = None,
 ) -> dict[str, Any]:
+    """`checkout`: run the gateway from that source tree (e.g. an earlier commit's export)."""
     port = _free_port()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gw-"))
     db = database_url or f"sqlite:///{tmp / 'bench.db'}"
     env = {**os.environ, "RLGATEWAY_ADMIN_TOKEN": ADMIN}
+    if checkout:
+        env["PYTHONPATH"] = checkout
     cmd = [
         sys.executable,
         "-m",
@@ -102,12 +132,16 @@ def through_gateway(
         db,
         "--log-level",
         "warning",
+        *serve_args,
     ]
     with open(tmp / "serve.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # cwd too: `python -m` puts the working directory first on sys.path
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=checkout or None
+        )
         try:
             base = f"http://127.0.0.1:{port}"
-            return asyncio.run(_gateway_clients(base, tmp, clients, requests, max_tokens))
+            return asyncio.run(_gateway_clients(base, tmp, clients, requests, max_tokens, proc.pid))
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -117,7 +151,7 @@ def through_gateway(
 
 
 async def _gateway_clients(
-    base: str, tmp: Path, clients: int, requests: int, max_tokens: int
+    base: str, tmp: Path, clients: int, requests: int, max_tokens: int, pid: int
 ) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
@@ -141,9 +175,11 @@ async def _gateway_clients(
         prompts = _prompts(clients * requests)
         latencies: list[float] = []
         tokens = 0
+        host, port = base.removeprefix("http://").split(":")
 
         async def client(c: int, warm: bool = False) -> None:
             nonlocal tokens
+            conn = _Conn(host, int(port))
             for r in range(requests):
                 i = c * requests + r
                 s = sessions[-1] if warm else sessions[i]
@@ -154,25 +190,74 @@ async def _gateway_clients(
                     "max_tokens": max_tokens,
                     "ignore_eos": True,
                 }
+                data = json.dumps(body).encode()
                 t0 = time.perf_counter()
-                resp = await http.post(
-                    f"/sessions/{s['id']}/v1/chat/completions",
-                    json=body,
-                    headers={"Authorization": f"Bearer {s['api_key']}"},
+                status, out = await conn.post(
+                    f"/sessions/{s['id']}/v1/chat/completions", data, s["api_key"]
                 )
                 latencies.append(time.perf_counter() - t0)
-                resp.raise_for_status()
-                tokens += resp.json()["usage"]["completion_tokens"]
+                if status != 200:
+                    raise RuntimeError(f"status {status}: {out[:500]!r}")
+                tokens += json.loads(out)["usage"]["completion_tokens"]
                 if warm:
-                    return
+                    break
+            conn.close()
 
         await client(0, warm=True)
         latencies.clear()
         tokens = 0
+        engines = _children(pid)
+        cpu0 = [_cpu_seconds(p) for p in [pid, *engines]]
+        client0 = time.process_time()
         t0 = time.perf_counter()
         await asyncio.gather(*(client(c) for c in range(clients)))
         wall = time.perf_counter() - t0
-        return {"latencies": latencies, "tokens": tokens, "wall": wall}
+        cpu = [_cpu_seconds(p) - c for p, c in zip([pid, *engines], cpu0, strict=True)]
+        return {
+            "latencies": latencies,
+            "tokens": tokens,
+            "wall": wall,
+            "gateway_cpu": cpu[0],
+            "engine_cpu": sum(cpu[1:]),
+            "client_cpu": time.process_time() - client0,
+        }
+
+
+class _Conn:
+    """A minimal HTTP/1.1 keep-alive connection: POST a JSON body, read a Content-Length response.
+    The bench's client must cost little CPU, because on a small machine it competes with the
+    server it measures: httpx spends about 5 ms of CPU per request here, this about 0.2 ms."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def post(self, path: str, body: bytes, token: str) -> tuple[int, bytes]:
+        if self._streams is None:
+            self._streams = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self._streams
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\nauthorization: Bearer {token}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        status = int((await reader.readline()).split()[1])
+        length = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return status, await reader.readexactly(length)
+
+    def close(self) -> None:
+        if self._streams is not None:
+            self._streams[1].close()
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ranked = sorted(runs, key=lambda r: r["tokens"] / r["wall"])
+    return ranked[len(ranked) // 2]
 
 
 def main() -> None:
@@ -182,17 +267,50 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--database-url", help="store for the gateway (default: a temp SQLite file)")
     ap.add_argument("--model-size", default="test", choices=["test", "demo"])
+    ap.add_argument(
+        "--gateway",
+        action="append",
+        metavar="NAME=SERVE_ARGS",
+        help="a gateway configuration to measure: a row name and extra `rlgateway serve` flags "
+        "(repeatable; default one row, 'gateway over HTTP', with serve's defaults)",
+    )
+    ap.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also measure the gateway run from this source tree, e.g. an earlier commit: "
+        "git archive COMMIT | tar -x -C DIR",
+    )
+    ap.add_argument("--repeat", type=int, default=1, help="runs per row; the median is shown")
     args = ap.parse_args()
 
     import torch
 
     from engines.tiny_model import tiny_model_dir
 
+    variants = [
+        (name, serve_args, None)
+        for name, serve_args in (v.split("=", 1) for v in args.gateway or ["gateway over HTTP="])
+    ]
+    if args.baseline:
+        variants.insert(0, (f"baseline {args.baseline}", "", args.baseline))
     model_dir = tiny_model_dir(size=args.model_size)
-    d = asyncio.run(direct(model_dir, args.clients, args.requests, args.max_tokens))
-    g = through_gateway(model_dir, args.clients, args.requests, args.max_tokens, args.database_url)
+    runs: dict[str, list[dict[str, Any]]] = {"engine in-process": []}
+    for name, _, checkout in variants:
+        runs[f"gateway, {name}" if args.gateway or checkout else name] = []
+    for _ in range(args.repeat):
+        runs["engine in-process"].append(
+            asyncio.run(direct(model_dir, args.clients, args.requests, args.max_tokens))
+        )
+        for (_name, serve_args, checkout), key in zip(variants, list(runs)[1:], strict=True):
+            runs[key].append(
+                through_gateway(
+                    model_dir, args.clients, args.requests, args.max_tokens, args.database_url,
+                    serve_args.split(), checkout,
+                )
+            )  # fmt: skip
     rows = []
-    for name, r in (("engine in-process", d), ("gateway over HTTP", g)):
+    for name, rs in runs.items():
+        r = _median_run(rs)
         lat = [x * 1000 for x in r["latencies"]]
         rows.append(
             (
@@ -202,6 +320,7 @@ def main() -> None:
                 statistics.mean(lat),
                 r["tokens"] / r["wall"],
                 len(lat) / r["wall"],
+                r,
             )
         )
     store = "sqlite" if not args.database_url else args.database_url.split(":")[0]
@@ -210,15 +329,25 @@ def main() -> None:
         f"model {args.model_size}, store {store}; torch {torch.__version__}, "
         f"{os.cpu_count()} cores\n"
     )
-    print("| path | p50 ms | p99 ms | mean ms | tokens/s | requests/s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, p50, p99, mean, tps, rps in rows:
-        print(f"| {name} | {p50:.1f} | {p99:.1f} | {mean:.1f} | {tps:.0f} | {rps:.1f} |")
-    (_, dp50, dp99, _, dtps, _), (_, gp50, gp99, _, gtps, _) = rows
     print(
-        f"\nadded latency: p50 {gp50 - dp50:+.1f} ms, p99 {gp99 - dp99:+.1f} ms; "
-        f"throughput ratio gateway/direct: {gtps / dtps:.2f}"
+        "| path | p50 ms | p99 ms | mean ms | tokens/s | requests/s | added p50 ms | ratio "
+        "| gateway CPU ms/req | engine-process CPU ms/req | client CPU ms/req |"
     )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    _, dp50, _, _, dtps, _, _ = rows[0]
+    for name, p50, p99, mean, tps, rps, r in rows:
+        n = len(r["latencies"])
+        cpu = (
+            f"{1000 * r['gateway_cpu'] / n:.2f} | {1000 * r['engine_cpu'] / n:.2f} "
+            f"| {1000 * r['client_cpu'] / n:.2f}"
+            if "gateway_cpu" in r
+            else "- | - | -"
+        )
+        print(
+            f"| {name} | {p50:.1f} | {p99:.1f} | {mean:.1f} | {tps:.0f} | {rps:.1f} "
+            f"| {p50 - dp50:+.1f} | {tps / dtps:.2f} | {cpu} |"
+        )
+    print(f"\n{args.repeat} run(s) per row; each row shows its median run by throughput")
 
 
 if __name__ == "__main__":

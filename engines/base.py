@@ -23,7 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from engines.errors import EmptyPromptError, InvalidSamplingError
+from engines.errors import (
+    EmptyPromptError,
+    InvalidSamplingError,
+    PromptTooLongError,
+    TokenOutOfRangeError,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -106,6 +111,18 @@ class GenerateRequest:
         if not self.prompt_ids:
             raise EmptyPromptError()
         self.sampling.validate()
+
+
+def check_request(request: GenerateRequest, *, max_model_len: int, vocab_size: int) -> None:
+    """The checks every engine makes before accepting `request` (`InvalidRequestError`)."""
+    request.validate()
+    n_prompt = len(request.prompt_ids)
+    asked = request.sampling.max_new_tokens
+    if n_prompt >= max_model_len or (asked is not None and n_prompt + asked > max_model_len):
+        raise PromptTooLongError(n_prompt, asked or 0, max_model_len)
+    for t in request.prompt_ids:
+        if not 0 <= t < vocab_size:
+            raise TokenOutOfRangeError(t, vocab_size)
 
 
 @dataclass(frozen=True, slots=True)

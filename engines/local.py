@@ -10,7 +10,9 @@ Weight swaps happen between steps. After a swap the KV cache of every live seque
 under the new weights, so every token sampled after the swap carries the new version *and* its
 logprob is exactly the new policy's (a teacher-forced pass with the new weights reproduces it).
 
-Results reach the consumers' event loops with one `call_soon_threadsafe` per loop per step.
+Each step's output goes to its consumers in one call per consumer (`Consumer.deliver`): for the
+asyncio API that is one `call_soon_threadsafe` per event loop per step; `engines.process_main` plugs
+in a consumer that writes the whole step to its pipe as one message.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import contextlib
 import logging
 import secrets
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -35,12 +38,11 @@ from engines.base import (
     GenerateRequest,
     TokenChunk,
     WeightUpdate,
+    check_request,
 )
 from engines.errors import (
     EngineUnavailableError,
     InvalidRequestError,
-    PromptTooLongError,
-    TokenOutOfRangeError,
     WeightUpdateError,
 )
 from engines.sampling import behaviour_logprobs, sample, truncate
@@ -83,6 +85,16 @@ class EngineStats:
 _Item = TokenChunk | BaseException
 
 
+class Consumer(Protocol):
+    """Receives one step's output for the sequences it submitted. Called on the worker thread,
+    once per step with everything that step produced for it, in order; must not block long."""
+
+    def deliver(self, items: list[tuple[str, _Item]]) -> None:
+        """`items` are (request id, chunk or error); a chunk with a finish reason, or an error,
+        is the last item of its request."""
+        ...
+
+
 @dataclass(eq=False, slots=True)
 class _Seq:
     request: GenerateRequest
@@ -91,8 +103,7 @@ class _Seq:
     max_new: int
     stops: frozenset[int]
     generator: torch.Generator | None
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[_Item]
+    consumer: Consumer
     slot: int = -1
     done: bool = False
 
@@ -130,6 +141,9 @@ class LocalEngine:
         self._closed = False
         self._failure: BaseException | None = None
         self._step_lock = threading.Lock()
+        self._consumers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopConsumer] = (
+            weakref.WeakKeyDictionary()
+        )
         self._worker = threading.Thread(
             target=self._run, name="rlgateway-local-engine", daemon=True
         )
@@ -168,32 +182,30 @@ class LocalEngine:
         return self._version
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        request.validate()
-        n_prompt = len(request.prompt_ids)
-        asked = request.sampling.max_new_tokens
-        if n_prompt >= self.max_model_len or (
-            asked is not None and n_prompt + asked > self.max_model_len
-        ):
-            raise PromptTooLongError(n_prompt, asked or 0, self.max_model_len)
-        vocab = self.runner.vocab_size
-        for t in request.prompt_ids:
-            if not 0 <= t < vocab:
-                raise TokenOutOfRangeError(t, vocab)
+        self.check(request)
         return self._stream(request)
 
+    def check(self, request: GenerateRequest) -> None:
+        """Raise the `InvalidRequestError` that `generate` would raise for `request`."""
+        check_request(request, max_model_len=self.max_model_len, vocab_size=self.runner.vocab_size)
+
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        seq = self._make_seq(request)
+        loop = asyncio.get_running_loop()
         with self._cv:
-            self._check_open()
-            if request.request_id in self._live:
-                raise InvalidRequestError(f"request id {request.request_id!r} is already live")
-            self._live[request.request_id] = seq
-            self._waiting.append(seq)
-            self._cv.notify()
+            consumer = self._consumers.get(loop)
+            if consumer is None:
+                consumer = self._consumers[loop] = _LoopConsumer(loop)
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        consumer.queues[request.request_id] = queue
+        try:
+            self.submit(request, consumer)
+        except BaseException:
+            del consumer.queues[request.request_id]
+            raise
         finished = False
         try:
             while not finished:
-                item = await seq.queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finish_reason is not None
@@ -202,7 +214,19 @@ class LocalEngine:
             if not finished:
                 await self.abort(request.request_id)
 
-    def _make_seq(self, request: GenerateRequest) -> _Seq:
+    def submit(self, request: GenerateRequest, consumer: Consumer) -> None:
+        """Queue a checked request; its output goes to `consumer`. Raises
+        `EngineUnavailableError` when closed and `InvalidRequestError` for a live id."""
+        seq = self._make_seq(request, consumer)
+        with self._cv:
+            self._check_open()
+            if request.request_id in self._live:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already live")
+            self._live[request.request_id] = seq
+            self._waiting.append(seq)
+            self._cv.notify()
+
+    def _make_seq(self, request: GenerateRequest, consumer: Consumer) -> _Seq:
         sp = request.sampling
         n_prompt = len(request.prompt_ids)
         room = self.max_model_len - n_prompt
@@ -220,36 +244,55 @@ class LocalEngine:
             max_new=min(sp.max_new_tokens or room, room),
             stops=stops,
             generator=generator,
-            loop=asyncio.get_running_loop(),
-            queue=asyncio.Queue(),
+            consumer=consumer,
         )
 
     async def abort(self, request_id: str) -> None:
-        with self._cv:
-            if request_id in self._live:
-                self._aborts.add(request_id)
-                self._cv.notify()
+        self.abort_now(request_id)
 
     async def pause(self) -> None:
         with self._cv:
             self._paused = True
         # Returns once the step in progress (if any) has finished.
-        await asyncio.to_thread(self._wait_step)
+        await asyncio.to_thread(self.wait_step)
 
     async def resume(self) -> None:
-        with self._cv:
-            self._paused = False
-            self._cv.notify()
+        self.set_paused(False)
 
     async def update_weights(self, update: WeightUpdate) -> int:
+        return await asyncio.wrap_future(self.submit_update(update))
+
+    async def health(self) -> EngineHealth:
+        return self.health_now()
+
+    # The same controls, synchronous, for a caller on another thread (`engines.process_main`).
+
+    def abort_now(self, request_id: str) -> None:
+        with self._cv:
+            if request_id in self._live:
+                self._aborts.add(request_id)
+                self._cv.notify()
+
+    def set_paused(self, paused: bool) -> None:
+        with self._cv:
+            self._paused = paused
+            self._cv.notify()
+
+    def wait_step(self) -> None:
+        """Block until the step in progress (if any) has finished."""
+        with self._step_lock:
+            pass
+
+    def submit_update(self, update: WeightUpdate) -> concurrent.futures.Future[int]:
+        """Queue a weight swap; the future resolves to the new version between two steps."""
         pending = _Update(update)
         with self._cv:
             self._check_open()
             self._updates.append(pending)
             self._cv.notify()
-        return await asyncio.wrap_future(pending.future)
+        return pending.future
 
-    async def health(self) -> EngineHealth:
+    def health_now(self) -> EngineHealth:
         with self._cv:
             ok = not self._closed and self._failure is None
             detail = "" if ok else repr(self._failure or "closed")
@@ -263,12 +306,14 @@ class LocalEngine:
             )
 
     async def close(self) -> None:
+        await asyncio.to_thread(self.close_now)
+
+    def close_now(self) -> None:
         with self._cv:
-            if self._closed:
-                return
             self._closed = True
             self._cv.notify()
-        await asyncio.to_thread(self._worker.join)
+        if self._worker is not threading.current_thread():
+            self._worker.join()
 
     # -- the worker --------------------------------------------------------------------------
 
@@ -277,10 +322,6 @@ class LocalEngine:
             raise EngineUnavailableError(f"the local engine failed: {self._failure!r}")
         if self._closed:
             raise EngineUnavailableError("the local engine is closed")
-
-    def _wait_step(self) -> None:
-        with self._step_lock:
-            pass
 
     def _has_work(self) -> bool:
         if self._closed or self._aborts or self._updates:
@@ -498,25 +539,39 @@ def _prefill_groups(seqs: list[_Seq], budget: int) -> list[list[_Seq]]:
 
 
 class _Outbox:
-    """Collects one step's output and hands it to each consumer loop in one callback."""
+    """Collects one step's output and hands it to each consumer in one call."""
 
     def __init__(self) -> None:
-        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Seq, _Item]]] = defaultdict(list)
+        self._by_consumer: dict[Consumer, list[tuple[str, _Item]]] = defaultdict(list)
 
     def put(self, seq: _Seq, item: _Item) -> None:
-        self._by_loop[seq.loop].append((seq, item))
+        self._by_consumer[seq.consumer].append((seq.request.request_id, item))
 
     def flush(self) -> None:
-        for loop, items in self._by_loop.items():
-            # A closed loop raises RuntimeError: its consumer is gone and nobody is listening.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_deliver, items)
-        self._by_loop.clear()
+        for consumer, items in self._by_consumer.items():
+            consumer.deliver(items)
+        self._by_consumer.clear()
 
 
-def _deliver(items: list[tuple[_Seq, _Item]]) -> None:
-    for seq, item in items:
-        seq.queue.put_nowait(item)
+class _LoopConsumer:
+    """The asyncio consumer of one event loop: the queues of that loop's live requests, fed in
+    one `call_soon_threadsafe` per step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queues: dict[str, asyncio.Queue[_Item]] = {}
+
+    def deliver(self, items: list[tuple[str, _Item]]) -> None:
+        # A closed loop raises RuntimeError: its consumer is gone and nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._put, items)
+
+    def _put(self, items: list[tuple[str, _Item]]) -> None:
+        for request_id, item in items:
+            queue = self.queues[request_id]
+            if isinstance(item, BaseException) or item.finish_reason is not None:
+                del self.queues[request_id]
+            queue.put_nowait(item)
 
 
 def _read_dir(path: Path | None) -> Mapping[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from gateway.chat import ChatService
 from gateway.chat_render import ChatRenderer
 from gateway.completions import CompletionService
 from gateway.errors import PayloadTooLarge, error_body, install_error_handlers
+from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.recorder import Recorder
 from gateway.segments import SegmentTracker
 from gateway.settings import GatewaySettings
@@ -53,6 +54,7 @@ class Gateway:
     completions: CompletionService
     admission: Admission
     sessions: SessionDirectory
+    metrics: GatewayMetrics
 
     @property
     def store(self) -> Store:
@@ -63,9 +65,12 @@ class Gateway:
         return self.components.engine
 
 
-def build_gateway(settings: GatewaySettings, c: Components) -> Gateway:
+def build_gateway(
+    settings: GatewaySettings, c: Components, metrics: GatewayMetrics | None = None
+) -> Gateway:
+    metrics = metrics or GatewayMetrics()
     renderer = ChatRenderer(c.tokenizer, c.eos_token_ids)
-    recorder = Recorder(c.store, SegmentTracker(c.store))
+    recorder = Recorder(c.store, SegmentTracker(c.store), on_commit=metrics.observe_records)
     return Gateway(
         settings=settings,
         components=c,
@@ -75,14 +80,17 @@ def build_gateway(settings: GatewaySettings, c: Components) -> Gateway:
         completions=CompletionService(c.engine, renderer, recorder, c.model_name),
         admission=Admission(c.store),
         sessions=SessionDirectory(c.store),
+        metrics=metrics,
     )
 
 
 async def load_components(settings: GatewaySettings) -> Components:
-    """The local engine on the configured model (the tiny model by default) and the store."""
+    """The local engine on the configured model (the tiny model by default), in its own process
+    unless `settings.engine_process` is off, and the store."""
     import asyncio
 
     from engines.local import LocalEngine, LocalEngineConfig
+    from engines.process import ProcessEngine
     from engines.tiny_model import load_tokenizer, tiny_model_dir
 
     model_dir = Path(settings.model) if settings.model else tiny_model_dir()
@@ -92,7 +100,13 @@ async def load_components(settings: GatewaySettings) -> Components:
         max_batch=settings.max_batch,
         max_model_len=settings.max_model_len,
     )
-    engine = await asyncio.to_thread(LocalEngine.load, config)
+    engine: LocalEngine | ProcessEngine
+    if settings.engine_process:
+        engine = await asyncio.to_thread(
+            ProcessEngine.load, config, threads=settings.engine_threads
+        )
+    else:
+        engine = await asyncio.to_thread(LocalEngine.load, config)
     store = await Store.connect(settings.database_url)
     return Components(
         engine=engine,
@@ -157,13 +171,26 @@ def create_app(
 ) -> FastAPI:
     """`train` (a `trainer.config.TrainConfig`) runs the trainer in this process, publishing each
     new policy straight into the local engine (`rlgateway serve --train`)."""
-    from gateway.routes import admin, openai, runs, sessions
+    from gateway.routes import (
+        admin,
+        engines,
+        export,
+        openai,
+        prometheus,
+        run_sessions,
+        runs,
+        sessions,
+        training,
+        ui,
+    )
+
+    metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = components is None
         c = components if components is not None else await load_components(settings)
-        app.state.gateway = build_gateway(settings, c)
+        app.state.gateway = build_gateway(settings, c, metrics)
         embedded = None
         if train is not None:
             from gateway.embedded import EmbeddedTrainer
@@ -189,6 +216,8 @@ def create_app(
     app.include_router(runs.router)
     app.include_router(sessions.router)
     app.include_router(admin.router)
+    for r in (run_sessions, training, export, engines, prometheus, ui):
+        app.include_router(r.router)
 
     @app.get("/health", include_in_schema=False)
     async def health(gw: GatewayDep) -> dict[str, Any]:
@@ -202,10 +231,12 @@ def create_app(
         }
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=metrics)
     return app
 
 
-def get_gateway(request: Request) -> Gateway:
+async def get_gateway(request: Request) -> Gateway:
+    # async on purpose: FastAPI runs a plain-def dependency in a worker thread, one hop per request
     gw: Gateway = request.app.state.gateway
     return gw
 

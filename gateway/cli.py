@@ -10,6 +10,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+DEMO_LR = 1e-3
+WARM_START_STEPS = 120
+
 
 class CLIError(Exception):
     """A user mistake on the command line; the message says what to do. Exit status 2."""
@@ -82,6 +85,16 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve.add_argument("--public-url", help="how agents reach this gateway (for session base_urls)")
     serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     serve.add_argument("--max-batch", type=int, help="sequences decoded together (default 64)")
+    serve.add_argument(
+        "--in-process-engine",
+        action="store_true",
+        help="run the local engine in the gateway's process (default: a process of its own)",
+    )
+    serve.add_argument(
+        "--engine-threads",
+        type=int,
+        help="torch threads of the engine process (default: all cores)",
+    )
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     serve.add_argument(
         "--train", action="store_true", help="also run the trainer in this process (embedded)"
@@ -106,6 +119,44 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     train.add_argument("--gateway-url", help="publish weights to this gateway (default: none)")
     train.add_argument("--admin-token", help="the gateway's admin token (or RLGATEWAY_ADMIN_TOKEN)")
+
+
+def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="the CPU demo: agents, gateway and trainer on one machine, learning in minutes",
+        description="Run everything on this machine: the demo-size tiny model (warm-started by "
+        "a short SFT on a sloppy teacher's demonstrations, cached after the first run), the "
+        "gateway on loopback with SQLite, the trainer in the background, and many concurrent "
+        "openai-SDK agents answering 'largest of four digits' as GRPO groups, rewarded by a "
+        "grader over HTTP. Prints a live table; writes reward.png and summary.json to --out.",
+    )
+    demo.add_argument(
+        "--no-train", action="store_true", help="agents only, no trainer: the control run"
+    )
+    demo.add_argument("--minutes", type=float, default=5.0, help="RL wall time (default 5)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
+    demo.add_argument("--out", default="demo-out", help="output directory (default demo-out)")
+    demo.add_argument("--algorithm", default="grpo", help="preset: grpo (default), dapo, ...")
+    demo.add_argument("--lr", type=float, default=DEMO_LR, help=f"learning rate ({DEMO_LR:g})")
+    demo.add_argument("--group-size", type=int, default=8, help="agents per prompt (default 8)")
+    demo.add_argument(
+        "--groups-per-step", type=int, default=4, help="GRPO groups per training step (4)"
+    )
+    demo.add_argument("--eta", type=int, default=1, help="staleness bound (default 1)")
+    demo.add_argument(
+        "--workers", type=int, default=6, help="concurrent GRPO groups in flight (default 6)"
+    )
+    demo.add_argument(
+        "--warm-start-steps",
+        type=int,
+        default=WARM_START_STEPS,
+        help=f"SFT steps of the warm start (default {WARM_START_STEPS})",
+    )
+    demo.add_argument("--model", help="start from this HF model directory instead (no warm start)")
+    demo.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="run config overrides (as for train)"
+    )
 
 
 def _add_db_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -134,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(sub)
     _add_serve_parser(sub)
     _add_train_parser(sub)
+    _add_demo_parser(sub)
     _add_db_parser(sub)
     return parser
 
@@ -166,6 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gateway.commands.train import run_train
 
             return run_train(args)
+        if args.command == "demo":
+            from gateway.commands.demo import run_demo_command
+
+            return run_demo_command(args)
         if args.command == "db":
             from gateway.commands.db import run_db
 

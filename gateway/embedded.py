@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +30,15 @@ class EmbeddedTrainer:
 
     @classmethod
     async def start(
-        cls, cfg: TrainConfig, c: Components, settings: GatewaySettings
+        cls,
+        cfg: TrainConfig,
+        c: Components,
+        settings: GatewaySettings,
+        *,
+        report: Callable[[dict[str, Any]], None] | None = None,
     ) -> EmbeddedTrainer:
+        """Start training `cfg.run` (a new run when empty); `report` receives each step's
+        metrics (default: a line on stdout)."""
         from engines.tiny_model import tiny_model_dir
         from trainer.backends.registry import build_backend, build_value_backend
         from trainer.loop import Trainer
@@ -41,7 +49,11 @@ class EmbeddedTrainer:
                 "embedded", cfg.model_dump(mode="json", exclude={"run", "database_url"})
             )
             cfg = cfg.model_copy(update={"run": run.id})
-            print(f"training run {run.id} (create its sessions with POST /runs/{run.id}/sessions)")
+            key = await c.store.new_run_key(run.id)
+            print(
+                f"training run {run.id} (create its sessions with POST /runs/{run.id}/sessions; "
+                f"the run's agent key: {key})"
+            )
         model_dir = cfg.model or settings.model or str(tiny_model_dir())
         backend = await asyncio.to_thread(build_backend, cfg.backend_config(str(Path(model_dir))))
         reference = None
@@ -55,7 +67,13 @@ class EmbeddedTrainer:
                 build_value_backend, cfg.critic_backend_config(str(Path(model_dir)))
             )
         trainer = Trainer(
-            cfg, c.store, backend, LocalPublisher(c.engine), reference=reference, critic=critic
+            cfg,
+            c.store,
+            backend,
+            LocalPublisher(c.engine),
+            reference=reference,
+            critic=critic,
+            report=report,
         )
         await trainer.resume()
         stop = asyncio.Event()

@@ -48,6 +48,13 @@ class Unauthorized(GatewayError):
     code = "invalid_api_key"
 
 
+class Forbidden(GatewayError):
+    """A valid key whose scope does not cover the request (e.g. an agent key on an admin route)."""
+
+    status = 403
+    type = "permission_error"
+
+
 class NotFound(GatewayError):
     status = 404
     type = "not_found_error"

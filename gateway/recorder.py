@@ -53,9 +53,16 @@ class ChoiceOutcome:
 
 
 class Recorder:
-    def __init__(self, store: Store, tracker: SegmentTracker) -> None:
+    def __init__(
+        self,
+        store: Store,
+        tracker: SegmentTracker,
+        on_commit: Callable[[list[CompletionRecord]], None] | None = None,
+    ) -> None:
         self.store = store
         self.tracker = tracker
+        self.on_commit = on_commit
+        """Told of every committed batch (the metrics count tokens and prefix breaks)."""
 
     async def plan(
         self,
@@ -145,3 +152,5 @@ class Recorder:
             t.segment.tokens = plan.prompt_ids + o.output_ids
             t.segment.transcript = o.transcript
             t.segment.busy = False
+        if self.on_commit is not None:
+            self.on_commit(records)

@@ -111,6 +111,10 @@ class SegmentTracker:
         self._states.setdefault(session_id, SessionState([]))
         self._evict()
 
+    def forget(self, session_id: str) -> None:
+        """A session deleted from the store: drop its state (a turn in flight fails to commit)."""
+        self._states.pop(session_id, None)
+
     def _evict(self) -> None:
         while len(self._states) > self.max_sessions:
             for sid, st in self._states.items():

@@ -26,6 +26,11 @@ class GatewaySettings(BaseSettings):
     """cpu or cuda for the local engine; default: cuda when present."""
     max_batch: int = Field(64, ge=1)
     """Sequences the local engine decodes together."""
+    engine_process: bool = True
+    """Run the local engine in a process of its own (its own GIL: the gateway's Python work does
+    not slow its decode steps); false keeps it in the gateway's process."""
+    engine_threads: int | None = Field(None, ge=1)
+    """Torch threads of the engine process; default: every core this process may use."""
     max_model_len: int | None = Field(None, ge=16)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Requests with a larger body get 413."""

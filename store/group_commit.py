@@ -3,10 +3,11 @@
 SQLite commits one write transaction at a time, each with an fsync, so a burst of completions
 that finish in the same decode step (64 of them, say) would queue for 64 fsyncs. Here the first
 caller starts a drain task; every caller that arrives while a transaction is running joins the
-next one. Each caller's records get a SAVEPOINT of their own, so one caller's failure (an ended
-session, a conflict) rolls back only its records and is raised to that caller alone; the others
-commit together (the savepoints are taken only when a group fails, on a retry). A caller returns
-only after the transaction holding its records committed.
+next one, and the whole group is written by one set-based `write_records` call (a handful of
+statements, not a handful per caller). If that fails, the group is retried with a SAVEPOINT per
+caller, so one caller's failure (an ended session, a conflict) rolls back only its records and is
+raised to that caller alone; the others commit together. A caller returns only after the
+transaction holding its records committed.
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ class GroupCommitter:
             jobs, self._pending = self._pending, []
             try:  # the common case: everything commits, without a savepoint per caller
                 async with self.db.write() as s:
-                    for records, _ in jobs:
-                        await write_records(s, records)
+                    await write_records(s, [r for records, _ in jobs for r in records])
             except Exception:
                 errors = await self._isolated(jobs)
             else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
 from store.db import Database, utcnow
 from store.errors import ConflictError, NotFoundError
@@ -59,3 +59,40 @@ async def add_reward(
             )
         )
     return True
+
+
+async def set_reward(
+    db: Database, session_id: str, value: float, *, completion_id: str | None = None
+) -> None:
+    """Set a turn's (or, with no `completion_id`, the episode's final) reward by hand: every
+    reward held for that target is replaced by this one value, under the key `manual:<target>`,
+    in one transaction. Other targets' rewards are untouched."""
+    if not math.isfinite(value):
+        raise ValueError(f"a reward must be a finite number, got {value}")
+    async with db.write() as s:
+        if await s.get(SessionRow, session_id, with_for_update=True) is None:
+            raise session_not_found(session_id)
+        if completion_id is not None:
+            owner = await s.scalar(
+                select(CompletionRow.session_id).where(CompletionRow.id == completion_id)
+            )
+            if owner != session_id:
+                raise NotFoundError(
+                    f"session {session_id!r} has no completion {completion_id!r}: use one of "
+                    "its completion ids, or omit it to set the final reward"
+                )
+        target = (
+            RewardRow.completion_id.is_(None)
+            if completion_id is None
+            else RewardRow.completion_id == completion_id
+        )
+        await s.execute(delete(RewardRow).where(RewardRow.session_id == session_id, target))
+        s.add(
+            RewardRow(
+                session_id=session_id,
+                completion_id=completion_id,
+                key=f"manual:{completion_id or 'final'}",
+                value=float(value),
+                created_at=utcnow(),
+            )
+        )

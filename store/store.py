@@ -5,9 +5,10 @@ transaction, so one `Store` serves any number of concurrent asyncio tasks.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Self
 
-from store import migrate, queue, rewards, sessions, turns
+from store import browse, migrate, queue, rewards, runs, sessions, steps, turns
 from store.db import Database, redact
 from store.errors import StoreError
 from store.group_commit import GroupCommitter
@@ -17,9 +18,14 @@ from store.types import (
     CompletionRecord,
     NewSession,
     Run,
+    RunStatus,
+    RunSummary,
     SegmentState,
     SessionDetail,
+    SessionFilter,
     SessionInfo,
+    SessionSummary,
+    TrainStep,
     Trajectory,
 )
 
@@ -75,7 +81,75 @@ class Store:
         """Raises NotFoundError for an unknown id."""
         return await sessions.get_run(self._db, run_id)
 
+    async def list_runs(self) -> list[RunSummary]:
+        """Every run, newest first, with its session counts and newest training step."""
+        return await runs.list_runs(self._db)
+
+    async def unstopped_runs(self) -> list[Run]:
+        """Runs that are active or paused, newest first (no counts: cheap)."""
+        return await runs.unstopped_runs(self._db)
+
+    async def set_run_status(self, run_id: str, status: RunStatus) -> Run:
+        """Set what the trainer obeys (active, paused, stopped). NotFoundError if unknown."""
+        return await runs.set_status(self._db, run_id, status)
+
+    async def new_run_key(self, run_id: str) -> str:
+        """A new agent key `rlr-...` for the run (returned once, stored as its sha256); any
+        earlier key of the run stops working. NotFoundError if unknown."""
+        return await runs.new_key(self._db, run_id)
+
+    async def run_for_key(self, api_key: str) -> Run | None:
+        """The run whose agent key this is, or None."""
+        return await runs.run_for_key(self._db, api_key)
+
+    async def delete_run(self, run_id: str) -> list[str]:
+        """Delete the run and everything of it (sessions, turns, rewards, steps) in one
+        transaction; returns the deleted session ids. NotFoundError if unknown."""
+        return await runs.delete_run(self._db, run_id)
+
+    # training steps
+
+    async def record_step(
+        self,
+        run_id: str,
+        step: int,
+        *,
+        version: int,
+        metrics: JSON,
+        checkpoint: str | None = None,
+    ) -> None:
+        """Record a trainer step (replacing a row of the same step). NotFoundError for an
+        unknown run."""
+        await steps.record_step(
+            self._db, run_id, step, version=version, metrics=metrics, checkpoint=checkpoint
+        )
+
+    async def list_steps(
+        self, run_id: str, *, after: int | None = None, limit: int = 10_000
+    ) -> list[TrainStep]:
+        """The run's training steps in order (after step `after`, when given)."""
+        return await steps.list_steps(self._db, run_id, after=after, limit=limit)
+
+    async def latest_steps(self, run_ids: list[str]) -> dict[str, TrainStep]:
+        """The newest step of each run that has one."""
+        return await steps.latest_steps(self._db, run_ids)
+
     # sessions
+
+    async def list_sessions(
+        self, run_id: str, where: SessionFilter, *, limit: int = 50, offset: int = 0
+    ) -> tuple[list[SessionSummary], int]:
+        """A page of the run's sessions matching `where`, newest first, and the total count."""
+        return await browse.list_sessions(self._db, run_id, where, limit=limit, offset=offset)
+
+    async def export_sessions(
+        self, run_id: str, where: SessionFilter, *, gamma: float = 1.0
+    ) -> AsyncIterator[tuple[SessionDetail, dict[str, JSON]]]:
+        """Every matching session, oldest first, as its detail and its segments' transcripts
+        (by segment id); read in batches, so a large run streams in bounded memory."""
+        check_gamma(gamma)
+        async for loaded, transcripts in browse.iter_sessions(self._db, run_id, where):
+            yield loaded.detail(gamma), transcripts
 
     async def create_sessions(
         self,
@@ -144,6 +218,13 @@ class Store:
         return await rewards.add_reward(
             self._db, session_id, value, completion_id=completion_id, key=key
         )
+
+    async def set_reward(
+        self, session_id: str, value: float, *, completion_id: str | None = None
+    ) -> None:
+        """Set a reward by hand: replaces every reward of that turn (or of the episode's final
+        reward when `completion_id` is None) with this value. NotFoundError as `add_reward`."""
+        await rewards.set_reward(self._db, session_id, value, completion_id=completion_id)
 
     async def session_detail(self, session_id: str, *, gamma: float = 1.0) -> SessionDetail:
         """Everything about one session: segments token by token, rewards, returns."""

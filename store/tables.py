@@ -12,6 +12,9 @@
   which is the order returns are discounted in.
 - The trainer's queue lives on `sessions`: `train_state` pending -> claimed (with
   `lease_owner`/`lease_expires_at`) -> consumed (`consumed_step`).
+- `runs.status` (active, paused, stopped) is what the operator set and the trainer obeys;
+  `runs.key_hash` is the sha256 of the run's agent key. `train_steps` holds one row per
+  trainer step (its metrics and checkpoint): the run's training time series.
 """
 
 from __future__ import annotations
@@ -69,12 +72,16 @@ class Base(DeclarativeBase):
 
 class RunRow(Base):
     __tablename__ = "runs"
+    # A unique index, not a constraint: SQLite adds an index without rebuilding the table.
+    __table_args__ = (Index("ix_runs_key_hash", "key_hash", unique=True),)
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    key_hash: Mapped[str | None] = mapped_column(String(64))
+    """sha256 hex of the run's agent key (creates and uses sessions of this run only)."""
 
 
 class SessionRow(Base):
@@ -82,6 +89,7 @@ class SessionRow(Base):
     __table_args__ = (
         Index("ix_sessions_run_id_group_id", "run_id", "group_id"),
         Index("ix_sessions_run_id_train_state_ended_at", "run_id", "train_state", "ended_at"),
+        Index("ix_sessions_run_id_created_at", "run_id", "created_at"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -133,6 +141,9 @@ class CompletionRow(Base):
     """float32, one per output id."""
     versions: Mapped[bytes] = mapped_column(LargeBinary)
     """int32 policy version that sampled each output id."""
+    min_version: Mapped[int | None] = mapped_column(Integer)
+    max_version: Mapped[int | None] = mapped_column(Integer)
+    """The range of `versions` (None without output), so sessions filter by version in SQL."""
     finish_reason: Mapped[str] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16))
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
@@ -155,4 +166,17 @@ class RewardRow(Base):
     )
     key: Mapped[str | None] = mapped_column(String(200))
     value: Mapped[float] = mapped_column(Double)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class TrainStepRow(Base):
+    __tablename__ = "train_steps"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    """The policy version this step published."""
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
+    checkpoint: Mapped[str | None] = mapped_column(String(1000))
+    """Where the step's checkpoint was saved (a path on the trainer's machine)."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)

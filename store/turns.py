@@ -6,17 +6,18 @@ transaction and checks each turn against the segment's current length, so a segm
 left half-extended or extended from a stale prefix.
 
 This is the gateway's hot path (every response waits for it), so it is written as a few
-set-based statements rather than through the ORM's unit of work: extending a segment costs four
-statements and the commit.
+set-based Core statements rather than through the ORM's unit of work, and their number does not
+grow with the batch: a group commit of 64 single-turn requests costs six statements and the
+commit, as one request does.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import insert, or_, select, update
+from sqlalchemy import ColumnElement, CursorResult, Table, bindparam, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from store.arrays import decode_i32, encode_f32, encode_i32
@@ -73,37 +74,23 @@ async def record_completions(db: Database, records: list[CompletionRecord]) -> N
 
 
 async def write_records(s: AsyncSession, records: list[CompletionRecord]) -> None:
-    """The writes of `record_completions` inside the caller's transaction (checked records)."""
+    """The writes of `record_completions` inside the caller's transaction (checked records).
+
+    The records may span many requests and sessions (the group committer passes a whole group):
+    the statements are set-based, at most seven per call however many records it holds.
+    """
     ids = [r.id for r in records]
     now = utcnow()
-    per_session = Counter(r.session_id for r in records)
-    breaks = Counter(r.session_id for r in records if r.prefix_break)
-    # Claim the turn numbers. The UPDATE also row-locks the session (PostgreSQL), which
-    # orders concurrent batches on one session; sorted, so batches lock in one order.
-    next_turn: dict[str, int] = {}
-    for session_id in sorted(per_session):
-        count = per_session[session_id]
-        turn_count = await s.scalar(
-            update(SessionRow)
-            .where(SessionRow.id == session_id, SessionRow.ended_at.is_(None))
-            .values(
-                turn_count=SessionRow.turn_count + count,
-                prefix_breaks=SessionRow.prefix_breaks + breaks[session_id],
-            )
-            .returning(SessionRow.turn_count)
-            .execution_options(synchronize_session=False)
-        )
-        if turn_count is None:
-            raise await _why_not_writable(s, session_id)
-        next_turn[session_id] = turn_count - count
+    next_turn = await _claim_turns(s, records)
     taken = list(await s.scalars(select(CompletionRow.id).where(CompletionRow.id.in_(ids))))
     if taken:
         raise ConflictError(f"completion ids already recorded: {taken}; ids must be unique")
 
+    stored = await _stored_segments(s, records)
     segments: dict[str, _Segment] = {}
     rows: list[dict[str, Any]] = []
     for record in records:
-        segment = await _segment_for(s, record, segments.get(record.segment_id))
+        segment = _segment_for(record, segments.get(record.segment_id), stored)
         segments[segment.id] = segment
         if record.prefix_len != segment.length:
             raise ConflictError(
@@ -120,7 +107,7 @@ async def write_records(s: AsyncSession, records: list[CompletionRecord]) -> Non
     opened = [seg for seg in segments.values() if seg.stored_length is None]
     if opened:
         await s.execute(
-            insert(SegmentRow),
+            insert(_SEGMENTS),
             [
                 dict(
                     id=seg.id,
@@ -133,48 +120,132 @@ async def write_records(s: AsyncSession, records: list[CompletionRecord]) -> Non
                 for seg in opened
             ],
         )
-    for seg in segments.values():
-        if seg.stored_length is not None:
-            moved = await s.scalar(
-                update(SegmentRow)
-                .where(SegmentRow.id == seg.id, SegmentRow.length == seg.stored_length)
-                .values(length=seg.length, transcript=seg.transcript)
-                .returning(SegmentRow.id)
-                .execution_options(synchronize_session=False)
+    extended = [seg for seg in segments.values() if seg.stored_length is not None]
+    if extended:
+        moved: CursorResult[Any] = await s.execute(  # type: ignore[assignment]
+            _EXTEND_SEGMENT,
+            [
+                {
+                    "_id": seg.id,
+                    "_stored": seg.stored_length,
+                    "_length": seg.length,
+                    "_transcript": seg.transcript,
+                }
+                for seg in extended
+            ],
+        )
+        if moved.supports_sane_multi_rowcount():
+            assert moved.rowcount == len(extended), "a segment changed under its session's lock"
+    await s.execute(insert(_COMPLETIONS), rows)
+
+
+_SESSIONS = cast(Table, SessionRow.__table__)
+_SEGMENTS = cast(Table, SegmentRow.__table__)
+_COMPLETIONS = cast(Table, CompletionRow.__table__)
+# Core statements (no ORM unit of work), executed once per batch with one parameter set per row.
+_CLAIM_TURNS = (
+    update(_SESSIONS)
+    .where(_SESSIONS.c.id == bindparam("_id"))
+    .values(turn_count=bindparam("_turns"), prefix_breaks=bindparam("_breaks"))
+)
+_EXTEND_SEGMENT = (
+    update(_SEGMENTS)
+    .where(_SEGMENTS.c.id == bindparam("_id"), _SEGMENTS.c.length == bindparam("_stored"))
+    .values(
+        length=bindparam("_length"),
+        transcript=bindparam("_transcript", type_=_SEGMENTS.c.transcript.type),
+    )
+)
+
+
+async def _claim_turns(s: AsyncSession, records: list[CompletionRecord]) -> dict[str, int]:
+    """Lock the records' sessions and take their next turn numbers; returns each session's
+    first new turn. The sessions are locked (`FOR UPDATE` on PostgreSQL; SQLite's write
+    transaction locks the database) in id order, so concurrent batches lock in one order."""
+    per_session = Counter(r.session_id for r in records)
+    breaks = Counter(r.session_id for r in records if r.prefix_break)
+    session_ids = sorted(per_session)
+    found = {
+        row.id: row
+        for row in await s.execute(
+            select(
+                SessionRow.id, SessionRow.turn_count, SessionRow.prefix_breaks, SessionRow.ended_at
             )
-            assert moved is not None, f"segment {seg.id} changed under its session's lock"
-    await s.execute(insert(CompletionRow), rows)
+            .where(SessionRow.id.in_(session_ids))
+            .order_by(SessionRow.id)
+            .with_for_update()
+        )
+    }
+    for session_id in session_ids:
+        row = found.get(session_id)
+        if row is None:
+            raise session_not_found(session_id)
+        if row.ended_at is not None:
+            raise SessionEndedError(
+                f"session {session_id!r} has ended: no more turns can be recorded; "
+                "create a new session to continue"
+            )
+    await s.execute(
+        _CLAIM_TURNS,
+        [
+            {
+                "_id": sid,
+                "_turns": found[sid].turn_count + per_session[sid],
+                "_breaks": found[sid].prefix_breaks + breaks[sid],
+            }
+            for sid in session_ids
+        ],
+    )
+    return {sid: found[sid].turn_count for sid in session_ids}
 
 
-async def _why_not_writable(s: AsyncSession, session_id: str) -> Exception:
-    ended_at = await s.scalar(select(SessionRow.ended_at).where(SessionRow.id == session_id))
-    if ended_at is None:
-        return session_not_found(session_id)
-    return SessionEndedError(
-        f"session {session_id!r} has ended: no more turns can be recorded; "
-        "create a new session to continue"
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    id: str
+    session_id: str
+    position: int
+    length: int
+
+
+@dataclass(slots=True)
+class _StoredSegments:
+    by_id: dict[str, _Stored]
+    by_position: dict[tuple[str, int], _Stored]
+
+
+async def _stored_segments(s: AsyncSession, records: list[CompletionRecord]) -> _StoredSegments:
+    """Every stored segment the records may touch or clash with: those of their sessions, and
+    any holding an id that a record opens. One indexed query."""
+    session_ids = {r.session_id for r in records}
+    opened_ids = {r.segment_id for r in records if r.opens_segment}
+    condition: ColumnElement[bool] = SegmentRow.session_id.in_(session_ids)
+    if opened_ids:
+        condition = or_(condition, SegmentRow.id.in_(opened_ids))
+    result = await s.execute(
+        select(SegmentRow.id, SegmentRow.session_id, SegmentRow.position, SegmentRow.length).where(
+            condition
+        )
+    )
+    rows = [_Stored(*row) for row in result]
+    return _StoredSegments(
+        by_id={row.id: row for row in rows},
+        by_position={(row.session_id, row.position): row for row in rows},
     )
 
 
-async def _segment_for(
-    s: AsyncSession, record: CompletionRecord, seen: _Segment | None
+def _segment_for(
+    record: CompletionRecord, seen: _Segment | None, stored: _StoredSegments
 ) -> _Segment:
     """The segment `record` writes into: opened by it, seen earlier in the batch, or stored."""
     if record.opens_segment:
         if seen is not None:
             raise ConflictError(f"segment {record.segment_id!r} is opened twice in one batch")
-        clash = await s.scalar(
-            select(SegmentRow.id).where(
-                or_(
-                    SegmentRow.id == record.segment_id,
-                    (SegmentRow.session_id == record.session_id)
-                    & (SegmentRow.position == record.segment_index),
-                )
-            )
+        clash = stored.by_id.get(record.segment_id) or stored.by_position.get(
+            (record.session_id, record.segment_index)
         )
         if clash is not None:
             raise ConflictError(
-                f"session {record.session_id!r} already has segment {clash!r} (id "
+                f"session {record.session_id!r} already has segment {clash.id!r} (id "
                 f"{record.segment_id!r} or index {record.segment_index} is taken): reload the "
                 "session's segments and open the next index"
             )
@@ -188,16 +259,10 @@ async def _segment_for(
         )
     segment = seen
     if segment is None:
-        row = (
-            await s.execute(
-                select(SegmentRow.session_id, SegmentRow.position, SegmentRow.length).where(
-                    SegmentRow.id == record.segment_id
-                )
-            )
-        ).one_or_none()
+        row = stored.by_id.get(record.segment_id)
         if row is not None:
             segment = _Segment(
-                id=record.segment_id,
+                id=row.id,
                 session_id=row.session_id,
                 position=row.position,
                 stored_length=row.length,
@@ -229,6 +294,8 @@ def _completion_row(
         output_ids=encode_i32(record.output_ids),
         logprobs=encode_f32(record.logprobs),
         versions=encode_i32(record.versions),
+        min_version=min(record.versions, default=None),
+        max_version=max(record.versions, default=None),
         finish_reason=record.finish_reason,
         status=record.status.value,
         sampling=record.sampling,

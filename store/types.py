@@ -154,3 +154,69 @@ class Trajectory:
     """The episode's total reward (sum of all its rewards)."""
     min_version: int
     """The oldest policy version among its sampled tokens (-1 if it has none)."""
+
+
+class RunStatus(enum.StrEnum):
+    """What the operator set; the trainer obeys it between steps."""
+
+    ACTIVE = "active"
+    PAUSED = "paused"
+    """No new training steps (agents may keep recording)."""
+    STOPPED = "stopped"
+    """Training is over: the trainer finishes, and no new sessions are created."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    run: Run
+    sessions: int
+    active: int
+    """Sessions not yet ended."""
+    rewarded: int
+    """Sessions holding at least one reward."""
+    consumed: int
+    """Sessions the trainer trained on."""
+    last_step: int | None
+    """The newest recorded training step, None before the first."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainStep:
+    """One trainer step: the version it published, its metrics, where its checkpoint went."""
+
+    run_id: str
+    step: int
+    version: int
+    metrics: JSON
+    checkpoint: str | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionFilter:
+    """Which sessions of a run to list or export (every bound inclusive; None: no bound)."""
+
+    status: SessionStatus | None = None
+    train_state: TrainState | None = None
+    group_id: str | None = None
+    min_reward: float | None = None
+    """On the session's total reward; a bound excludes sessions without rewards."""
+    max_reward: float | None = None
+    rewarded: bool | None = None
+    """True: only sessions with a reward; False: only those without."""
+    min_version: int | None = None
+    """Sessions with a sampled token whose policy version lies in [min_version, max_version]
+    (checked per turn on its version range)."""
+    max_version: int | None = None
+    min_prefix_breaks: int | None = None
+    max_prefix_breaks: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSummary:
+    """A row of the session browser."""
+
+    info: SessionInfo
+    turns: int
+    reward: float | None
+    """The sum of its rewards; None without any."""

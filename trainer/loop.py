@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from store import Store
-from store.types import Trajectory
+from store import NotFoundError, Store
+from store.types import RunStatus, Trajectory
 from trainer import checkpoint
 from trainer.algorithms.aggregation import loss_normalizer
 from trainer.algorithms.losses import explained_variance
@@ -124,6 +124,13 @@ class Trainer:
         while True:
             if stop is not None and stop.is_set():
                 return None
+            status = await self._run_status()
+            if status != RunStatus.ACTIVE:
+                if status != RunStatus.PAUSED:  # stopped or deleted: training is over
+                    log.info("run %s is %s: the trainer stops", cfg.run, status or "deleted")
+                    return None
+                await asyncio.sleep(cfg.poll_seconds)  # paused: start no step, hold no lease
+                continue
             claimed = await self.store.claim(
                 cfg.run,
                 limit=cfg.batch_size * 4,
@@ -144,6 +151,13 @@ class Trainer:
             if chosen or rest:
                 await self.store.release([t.session.id for t in chosen + rest], owner=self.owner)
             await asyncio.sleep(cfg.poll_seconds)
+
+    async def _run_status(self) -> RunStatus | None:
+        """The run's status as the operator set it (None once the run is deleted)."""
+        try:
+            return RunStatus((await self.store.get_run(self.cfg.run)).status)
+        except NotFoundError:
+            return None
 
     def _split_stale(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], list[Trajectory]]:
         oldest_ok = self.backend.step - self.cfg.eta
@@ -222,7 +236,7 @@ class Trainer:
         step = backend.step
         used = [t.session.id for t in built.used]
         dropped = [t.session.id for t in built.dropped]
-        await asyncio.to_thread(
+        saved = await asyncio.to_thread(
             checkpoint.save,
             self.root,
             backend,
@@ -244,7 +258,7 @@ class Trainer:
             version - v for s in seqs for v, m in zip(s.versions, s.loss_mask, strict=True) if m
         ]
         rewards = built.rewards
-        self._emit(
+        row = self._emit(
             {
                 "step": step,
                 "version": step,
@@ -260,6 +274,9 @@ class Trainer:
                 **stats,
                 **critic_stats,
             }
+        )
+        await self.store.record_step(
+            cfg.run, step, version=step, metrics=row, checkpoint=str(saved.resolve())
         )
 
     async def _with_side_logprobs(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
@@ -289,8 +306,9 @@ class Trainer:
 
     # -- reporting ---------------------------------------------------------------------------
 
-    def _emit(self, row: dict[str, Any]) -> None:
+    def _emit(self, row: dict[str, Any]) -> dict[str, Any]:
         self.sink.emit(row)
+        return row
 
     def close(self) -> None:
         """Flush and close the metric writers (TensorBoard, W&B)."""

@@ -27,6 +27,8 @@ def run_serve(args: argparse.Namespace) -> int:
             "public_url": args.public_url,
             "device": args.device,
             "max_batch": args.max_batch,
+            "engine_process": False if args.in_process_engine else None,
+            "engine_threads": args.engine_threads,
         }.items()
         if v is not None
     }

@@ -7,13 +7,13 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from engines.base import WeightUpdate
 from gateway.app import GatewayDep
-from gateway.auth import require_admin
 from gateway.errors import BadRequest
+from gateway.routes.access import AdminDep
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -26,14 +26,12 @@ class WeightsIn(BaseModel):
 
 
 @router.get("/version")
-async def version(gw: GatewayDep, request: Request) -> dict[str, Any]:
-    require_admin(request, gw.settings.admin_token)
+async def version(gw: GatewayDep, _: AdminDep) -> dict[str, Any]:
     return {"version": gw.engine.version()}
 
 
 @router.post("/weights")
-async def load_weights(gw: GatewayDep, request: Request, body: WeightsIn) -> dict[str, Any]:
-    require_admin(request, gw.settings.admin_token)
+async def load_weights(gw: GatewayDep, _: AdminDep, body: WeightsIn) -> dict[str, Any]:
     path = Path(body.path)
     if not await asyncio.to_thread(path.is_dir):
         raise BadRequest(f"{path} is not a directory on the gateway's machine", param="path")

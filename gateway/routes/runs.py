@@ -1,15 +1,23 @@
-"""Runs and their sessions (admin token)."""
+"""Runs: create (admin), list (admin), read (admin or the run's key), pause / resume / stop and
+delete (admin), and replace the run's agent key (admin).
+
+A run's status is what its trainer obeys between steps (`rlgateway serve --train` or a separate
+`rlgateway train`): `paused` starts no new step, `stopped` ends training for good (and refuses new
+sessions).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from gateway.app import GatewayDep
-from gateway.auth import require_admin
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, Conflict
+from gateway.routes.access import AdminDep, RunAdminDep, RunAgentDep
+from gateway.views import run_json, run_summary_json
+from store.types import RunStatus
 
 router = APIRouter(tags=["runs"])
 
@@ -17,31 +25,17 @@ router = APIRouter(tags=["runs"])
 class RunCreate(BaseModel):
     name: str = Field(min_length=1, max_length=200)
     config: dict[str, Any] = Field(default_factory=dict)
-
-
-class SessionsCreate(BaseModel):
-    count: int = Field(1, ge=1, le=1024)
-    group_id: str | None = Field(None, max_length=200)
-    """GRPO group: sessions that answer the same prompt share one group_id."""
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    """Free data kept with each session (the task, its answer, ...)."""
-
-
-def run_json(run: Any) -> dict[str, Any]:
-    return {
-        "id": run.id,
-        "name": run.name,
-        "config": run.config,
-        "status": run.status,
-        "created_at": run.created_at.isoformat(),
-    }
+    """A training config (the keys of `rlgateway train --config`, minus `run` and the store)."""
 
 
 @router.post("/runs", status_code=201)
-async def create_run(gw: GatewayDep, request: Request, body: RunCreate) -> dict[str, Any]:
-    require_admin(request, gw.settings.admin_token)
+async def create_run(gw: GatewayDep, _: AdminDep, body: RunCreate) -> dict[str, Any]:
+    """Create a run. The answer holds its `api_key` (shown once): the agents' key, which creates
+    and uses sessions of this run only."""
     validate_run_config(body.config)
-    return run_json(await gw.store.create_run(body.name, body.config))
+    run = await gw.store.create_run(body.name, body.config)
+    key = await gw.store.new_run_key(run.id)
+    return {**run_json(run), "api_key": key}
 
 
 def validate_run_config(config: dict[str, Any]) -> None:
@@ -60,36 +54,55 @@ def validate_run_config(config: dict[str, Any]) -> None:
         raise BadRequest(f"config: {exc}", param="config") from None
 
 
+@router.get("/runs")
+async def list_runs(gw: GatewayDep, _: AdminDep) -> dict[str, Any]:
+    """Every run, newest first, with session counts and its newest training step."""
+    return {"runs": [run_summary_json(r) for r in await gw.store.list_runs()]}
+
+
 @router.get("/runs/{run_id}")
-async def get_run(gw: GatewayDep, request: Request, run_id: str) -> dict[str, Any]:
-    require_admin(request, gw.settings.admin_token)
+async def get_run(gw: GatewayDep, _: RunAgentDep, run_id: str) -> dict[str, Any]:
     return run_json(await gw.store.get_run(run_id))
 
 
-@router.post("/runs/{run_id}/sessions", status_code=201)
-async def create_sessions(
-    gw: GatewayDep, request: Request, run_id: str, body: SessionsCreate
-) -> dict[str, Any]:
-    require_admin(request, gw.settings.admin_token)
+async def _set_status(gw: GatewayDep, run_id: str, status: RunStatus) -> dict[str, Any]:
     run = await gw.store.get_run(run_id)
-    async with gw.admission.lock(run_id):
-        await gw.admission.check(run, body.count, gw.engine.version())
-        created = await gw.store.create_sessions(
-            run_id, body.count, group_id=body.group_id, metadata=body.metadata
-        )
-    for s in created:  # known to be empty: no need to load their segments later
-        gw.sessions.remember_key(s.api_key, s.info)
-        gw.recorder.tracker.register_empty(s.info.id)
-    base = gw.settings.base_url()
-    return {
-        "sessions": [
-            {
-                "id": s.info.id,
-                "run_id": s.info.run_id,
-                "group_id": s.info.group_id,
-                "base_url": f"{base}/sessions/{s.info.id}/v1",
-                "api_key": s.api_key,
-            }
-            for s in created
-        ]
-    }
+    if run.status == RunStatus.STOPPED and status != RunStatus.STOPPED:
+        raise Conflict(f"run {run_id} is stopped for good: create a new run to train again")
+    return run_json(await gw.store.set_run_status(run_id, status))
+
+
+@router.post("/runs/{run_id}/pause")
+async def pause_run(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, Any]:
+    """The trainer starts no new step until resumed (a step under way finishes)."""
+    return await _set_status(gw, run_id, RunStatus.PAUSED)
+
+
+@router.post("/runs/{run_id}/resume")
+async def resume_run(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, Any]:
+    return await _set_status(gw, run_id, RunStatus.ACTIVE)
+
+
+@router.post("/runs/{run_id}/stop")
+async def stop_run(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, Any]:
+    """End training: the trainer finishes after the step under way; no new sessions."""
+    return await _set_status(gw, run_id, RunStatus.STOPPED)
+
+
+@router.delete("/runs/{run_id}")
+async def delete_run(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, Any]:
+    """Delete the run with all its sessions, turns, rewards and training steps, in one
+    transaction. Checkpoints on the trainer's disk are left alone."""
+    ids = await gw.store.delete_run(run_id)
+    gw.sessions.forget_run(run_id, ids)
+    for sid in ids:
+        gw.recorder.tracker.forget(sid)
+    return {"id": run_id, "deleted": True, "sessions": len(ids)}
+
+
+@router.post("/runs/{run_id}/key")
+async def new_run_key(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, Any]:
+    """Replace the run's agent key: the old one stops working at once (on this gateway)."""
+    key = await gw.store.new_run_key(run_id)
+    gw.sessions.forget_run(run_id)
+    return {"id": run_id, "api_key": key}

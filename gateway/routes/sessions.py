@@ -1,77 +1,43 @@
-"""A session's rewards, its end, and its recorded segments (session key or admin token)."""
+"""A session's rewards, its end, and its recorded segments (the session's key, its run's key, or
+the admin token), and a reward set by hand (admin)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, field_validator
+from fastapi import APIRouter, Depends, Request
+from pydantic import AfterValidator, BaseModel, Field
 
 from gateway.app import Gateway, GatewayDep
 from gateway.auth import resolve
-from store.types import SessionDetail, SessionInfo
+from gateway.routes.access import DOC_BEARER, AdminDep
+from gateway.views import detail_json, info_json
 
-router = APIRouter(tags=["sessions"])
+router = APIRouter(tags=["sessions"], dependencies=[Depends(DOC_BEARER)])
+
+
+def _finite_reward(v: float) -> float:
+    if not math.isfinite(v):
+        raise ValueError("reward must be a finite number")
+    return v
+
+
+Reward = Annotated[float, AfterValidator(_finite_reward)]
 
 
 class RewardIn(BaseModel):
-    reward: float
+    reward: Reward
     completion_id: str | None = None
     """The turn this reward is for; omit it for the episode's final reward."""
     key: str | None = Field(None, max_length=200)
     """Idempotency key: posting the same key and value again changes nothing."""
 
-    @field_validator("reward")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("reward must be a finite number")
-        return v
 
-
-def info_json(info: SessionInfo) -> dict[str, Any]:
-    return {
-        "id": info.id,
-        "run_id": info.run_id,
-        "group_id": info.group_id,
-        "metadata": info.metadata,
-        "status": info.status.value,
-        "created_at": info.created_at.isoformat(),
-        "ended_at": info.ended_at.isoformat() if info.ended_at else None,
-        "prefix_breaks": info.prefix_breaks,
-        "train_state": info.train_state.value,
-    }
-
-
-def detail_json(d: SessionDetail) -> dict[str, Any]:
-    return {
-        **info_json(d.info),
-        "rewards": [
-            {
-                "reward": r.value,
-                "completion_id": r.completion_id,
-                "key": r.key,
-                "created_at": r.created_at.isoformat(),
-            }
-            for r in d.rewards
-        ],
-        "returns": d.returns,
-        "finish_reasons": d.finish_reasons,
-        "segments": [
-            {
-                "id": s.id,
-                "index": s.index,
-                "completion_ids": s.completion_ids,
-                "turn_spans": [list(span) for span in s.turn_spans],
-                "tokens": s.tokens,
-                "loss_mask": s.loss_mask,
-                "logprobs": s.logprobs,
-                "versions": s.versions,
-            }
-            for s in d.segments
-        ],
-    }
+class RewardSet(BaseModel):
+    reward: Reward
+    completion_id: str | None = None
+    """The turn whose reward is set; omit it to set the episode's final reward."""
 
 
 async def _gamma(gw: Gateway, run_id: str) -> float:
@@ -87,7 +53,23 @@ async def reward(
     recorded = await gw.store.add_reward(
         session_id, body.reward, completion_id=body.completion_id, key=body.key
     )
+    if recorded:
+        gw.metrics.rewards.labels(source="api").inc()
     return {"session_id": session_id, "recorded": recorded}
+
+
+@router.put("/sessions/{session_id}/reward")
+async def set_reward(
+    gw: GatewayDep, _: AdminDep, session_id: str, body: RewardSet
+) -> dict[str, Any]:
+    """Set or override a reward by hand: every reward the turn (or, without `completion_id`,
+    the episode's final reward) holds is replaced by this one, atomically. A trajectory the
+    trainer already consumed keeps its trained result; the export shows the new reward."""
+    await gw.store.set_reward(session_id, body.reward, completion_id=body.completion_id)
+    gw.metrics.rewards.labels(source="manual").inc()
+    info = await gw.store.get_session(session_id)
+    d = await gw.store.session_detail(session_id, gamma=await _gamma(gw, info.run_id))
+    return {"session_id": session_id, "rewards": detail_json(d)["rewards"], "returns": d.returns}
 
 
 @router.post("/sessions/{session_id}/end")
@@ -99,8 +81,18 @@ async def end(gw: GatewayDep, request: Request, session_id: str) -> dict[str, An
 
 
 @router.get("/sessions/{session_id}")
-async def get_session(gw: GatewayDep, request: Request, session_id: str) -> dict[str, Any]:
+async def get_session(
+    gw: GatewayDep, request: Request, session_id: str, texts: bool = False
+) -> dict[str, Any]:
+    """The session with its segments: `tokens`, `loss_mask`, `logprobs`, `versions` (one
+    length), the turns' spans, rewards and discounted returns. `texts=true` adds each token's
+    text (`texts`, per segment) for display."""
     caller = await resolve(request, gw.sessions, gw.settings.admin_token, session_id)
     assert caller.session is not None
     gamma = await _gamma(gw, caller.session.run_id)
-    return detail_json(await gw.store.session_detail(session_id, gamma=gamma))
+    out = detail_json(await gw.store.session_detail(session_id, gamma=gamma))
+    if texts:
+        tok = gw.components.tokenizer
+        for seg in out["segments"]:
+            seg["texts"] = [tok.decode([t], skip_special_tokens=False) for t in seg["tokens"]]
+    return out

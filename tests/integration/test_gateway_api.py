@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from engines.local import LocalEngine, LocalEngineConfig
+from engines.process import ProcessEngine
 from engines.tiny_model import load_tokenizer
 from gateway.app import Components, create_app
 from gateway.settings import GatewaySettings
@@ -58,7 +59,9 @@ class Client:
         return out
 
 
-async def _client(engine: LocalEngine, tiny_model: Path, url: str) -> AsyncIterator[Client]:
+async def _client(
+    engine: LocalEngine | ProcessEngine, tiny_model: Path, url: str
+) -> AsyncIterator[Client]:
     store = await Store.connect(url)
     components = Components(
         engine=engine,
@@ -167,6 +170,29 @@ async def test_engine_unavailable_is_503(tiny_model: Path, tmp_path: Path) -> No
         await engine.close()
         assert_openai_error(await c.chat(s, USER), 503, "unavailable")
         assert (await c.detail(s))["segments"] == []
+
+
+async def test_a_dead_engine_process_is_503_for_requests_in_flight_and_new(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    import os
+    import signal
+
+    engine = ProcessEngine.load(LocalEngineConfig(model=str(tiny_model)))
+    try:
+        async for c in _client(engine, tiny_model, f"sqlite:///{tmp_path / 'x.db'}"):
+            s = await c.session()
+            long = {"max_tokens": 2000, "ignore_eos": True}
+            in_flight = asyncio.create_task(c.chat(s, USER, **long))
+            while engine.stats.decode_steps < 3:
+                await asyncio.sleep(0.005)
+            os.kill(engine.pid, signal.SIGKILL)
+            assert_openai_error(await in_flight, 503, "engine process", "exited with code -9")
+            assert_openai_error(await c.chat(s, USER), 503, "exited with code -9")
+            assert (await c.detail(s))["segments"] == []
+            assert not (await c.http.get("/health")).json()["ok"]
+    finally:
+        await engine.close()
 
 
 async def test_turns_extend_one_segment_token_for_token(client: Client) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, text
+from sqlalchemy import event, inspect, text
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 from sqlalchemy.pool import NullPool
 
@@ -399,6 +399,49 @@ async def test_concurrent_turns_commit_together_and_fail_alone(
     for i, sid in enumerate(sids):
         if i != 5:
             assert await count(store_url, "completions", sid) == 1
+
+
+async def test_a_turn_costs_a_few_statements_and_a_burst_no_more(store: Store) -> None:
+    """The commit path is set-based: one turn is a handful of SQL statements, and on SQLite a
+    burst of 32 turns (one group commit) costs no more than two or three turns would."""
+    run = await store.create_run("statements", {})
+    sids = [n.info.id for n in await store.create_sessions(run.id, 33)]
+    statements: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if not statement.lstrip().upper().startswith(("BEGIN", "COMMIT", "PRAGMA")):
+            statements.append(statement)
+
+    sync_engine = store._db.engine.sync_engine
+    event.listen(sync_engine, "before_cursor_execute", seen)
+    try:
+        first = [rec(f"{sids[0]}-0", sids[0], 0, prompt=[1, 2], prefix_len=0, output=[3],
+                     opens=True)]  # fmt: skip
+        await store.record_completions(first)
+        opening = len(statements)
+        statements.clear()
+        await store.record_completions(
+            [rec(f"{sids[0]}-1", sids[0], 0, prompt=[1, 2, 3, 4], prefix_len=3, output=[5])]
+        )
+        extending = len(statements)
+        statements.clear()
+        await asyncio.gather(
+            *(
+                store.record_completions(
+                    [rec(f"{sid}-0", sid, 0, prompt=[1], prefix_len=0, output=[2], opens=True)]
+                )
+                for sid in sids[1:]
+            )
+        )
+        burst = len(statements)
+    finally:
+        event.remove(sync_engine, "before_cursor_execute", seen)
+    assert opening <= 6, statements
+    assert extending <= 7, statements
+    if store.url.startswith("sqlite"):
+        assert burst <= 3 * 6, f"{burst} statements for 32 turns"
+    for sid in sids[1:]:
+        assert (await store.session_detail(sid)).segments[0].tokens == [1, 2]
 
 
 # rewards and returns

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engines.local import LocalEngine, LocalEngineConfig
+from engines.process import ProcessEngine
 from engines.tiny_model import load_tokenizer
 from gateway.app import Components, create_app
 from gateway.settings import GatewaySettings
@@ -47,7 +48,7 @@ def grade(text: str) -> float:
 @dataclass
 class Harness:
     http: httpx.AsyncClient
-    engine: LocalEngine
+    engine: LocalEngine | ProcessEngine
     store: Store
     db_path: Path
     rewards: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
@@ -123,8 +124,14 @@ class Harness:
 
 
 @asynccontextmanager
-async def harness(tiny_model: Path, tmp_path: Path) -> AsyncIterator[Harness]:
-    engine = LocalEngine.load(LocalEngineConfig(model=str(tiny_model)))
+async def harness(
+    tiny_model: Path, tmp_path: Path, engine_kind: str = "local"
+) -> AsyncIterator[Harness]:
+    """The gateway in this process on the local engine, in this process or in its own."""
+    config = LocalEngineConfig(model=str(tiny_model))
+    engine: LocalEngine | ProcessEngine = (
+        LocalEngine.load(config) if engine_kind == "local" else ProcessEngine.load(config)
+    )
     db_path = tmp_path / "store.db"
     store = await Store.connect(f"sqlite:///{db_path}")
     components = Components(
@@ -160,10 +167,11 @@ def train_config(run_id: str, tmp_path: Path, **kw: Any) -> TrainConfig:
     )
 
 
+@pytest.mark.parametrize("engine_kind", ["local", "process"])
 async def test_engine_and_trainer_logprobs_agree_on_recorded_tokens(
-    tiny_model: Path, tmp_path: Path
+    tiny_model: Path, tmp_path: Path, engine_kind: str
 ) -> None:
-    async with harness(tiny_model, tmp_path) as h:
+    async with harness(tiny_model, tmp_path, engine_kind) as h:
         run_id = await h.run({"batch_size": 8})
         for g in range(2):
             sessions = await h.group(run_id, 4, f"g{g}")
@@ -219,11 +227,14 @@ async def test_async_grpo_through_the_gateway_learns_within_the_staleness_bound(
             assert abs(last - first) < 0.15, (first, last)
 
 
+@pytest.mark.parametrize("engine_kind", ["local", "process"])
 async def test_synchronous_mode_trains_only_current_policy_tokens(
-    tiny_model: Path, tmp_path: Path
+    tiny_model: Path, tmp_path: Path, engine_kind: str
 ) -> None:
+    """Each new policy is hot-swapped into the engine (in this process, or into the engine
+    process through shared memory) before the next batch is sampled."""
     config = {"eta": 0, "batch_size": 8, "group_size": 4}
-    async with harness(tiny_model, tmp_path) as h:
+    async with harness(tiny_model, tmp_path, engine_kind) as h:
         run_id = await h.run(config)
         cfg = train_config(
             run_id, tmp_path, max_steps=3, optim={"lr": 1e-3}, tensorboard=True, **config
@@ -235,6 +246,7 @@ async def test_synchronous_mode_trains_only_current_policy_tokens(
         await trainer.run()
         agents.cancel()
         await asyncio.gather(agents, return_exceptions=True)
+        assert h.engine.version() == 3
         assert [r["staleness_max"] for r in rows] == [0, 0, 0]
         assert [r["trajectories"] for r in rows] == [8, 8, 8]
         assert list((tmp_path / "ckpt" / "tb").glob("events.out.tfevents.*"))

@@ -1,0 +1,53 @@
+"""An agent written with LangChain, unmodified except for its base_url and key: a prompt template,
+`ChatOpenAI` and an output parser, as LangChain's own tutorials build them.
+
+    pip install langchain-openai
+    python agents_examples/langchain_agent.py --base-url SESSION_BASE_URL --api-key SESSION_KEY
+
+Every call LangChain makes goes through the gateway's `/v1/chat/completions` and is recorded into
+the session. Prints one JSON line with the answers; the session's reward is posted by whoever
+grades it (here: the agent itself, 1 point per right answer, averaged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import httpx
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_openai import ChatOpenAI
+
+QUESTIONS = [("7 2 9 4", "9"), ("1 5 3 0", "5")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", required=True, help="the session's base_url (.../sessions/ID/v1)")
+    p.add_argument("--api-key", required=True, help="the session's api_key")
+    p.add_argument("--model", default="demo")
+    args = p.parse_args()
+
+    llm = ChatOpenAI(
+        model=args.model,
+        base_url=args.base_url,
+        api_key=args.api_key,
+        temperature=1.0,
+        max_completion_tokens=4,
+    )
+    chain = ChatPromptTemplate.from_messages([("user", "Largest of {digits}?")]) | llm
+    chain = chain | StrOutputParser()
+    answers = chain.batch([{"digits": digits} for digits, _ in QUESTIONS])
+    score = sum(a.strip() == want for a, (_, want) in zip(answers, QUESTIONS, strict=True))
+    reward = score / len(QUESTIONS)
+
+    session_url = args.base_url.rstrip("/").removesuffix("/v1")
+    auth = {"Authorization": f"Bearer {args.api_key}"}
+    httpx.post(f"{session_url}/reward", json={"reward": reward}, headers=auth).raise_for_status()
+    httpx.post(f"{session_url}/end", headers=auth).raise_for_status()
+    print(json.dumps({"answers": answers, "reward": reward}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""`rlgateway demo`: the CPU demo (see gateway/demo/run.py for what runs)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+from gateway.cli import CLIError
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    _check(args)
+    import torch
+
+    from engines.tiny_model import tiny_model_dir
+    from gateway.demo.run import DemoOptions, run_demo
+    from gateway.demo.warmstart import WarmStartConfig, warm_start
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    if args.model:
+        model_dir = Path(args.model)
+        print(f"policy: {model_dir} (no warm start)")
+    else:
+        base = tiny_model_dir(size="demo", seed=args.seed)
+        ws = WarmStartConfig(steps=args.warm_start_steps, seed=args.seed)
+        print(
+            "warm start: SFT on a sloppy teacher's demonstrations (it answers with a random one "
+            f"of the four digits), {ws.steps} steps through the trainer's backend; RL then has "
+            "to do better than its teacher"
+        )
+        t0 = time.perf_counter()
+        model_dir, cached = warm_start(base, ws, progress=_sft_progress(ws.steps))
+        how = "cached" if cached else f"{time.perf_counter() - t0:.0f} s"
+        print(f"warm start: {model_dir} ({how})")
+    options = DemoOptions(
+        model_dir=model_dir,
+        out=out,
+        train=not args.no_train,
+        minutes=args.minutes,
+        seed=args.seed,
+        algorithm=args.algorithm,
+        lr=args.lr,
+        group_size=args.group_size,
+        groups_per_step=args.groups_per_step,
+        eta=args.eta,
+        workers=args.workers,
+        overrides=tuple(args.overrides),
+    )
+    what = f"training with {args.algorithm}" if options.train else "no training (a control run)"
+    print(
+        f"demo: {args.minutes:g} min, {what}, {args.workers} concurrent groups of "
+        f"{args.group_size} agents, seed {args.seed}"
+    )
+    try:
+        summary = asyncio.run(run_demo(options))
+    except ValueError as exc:  # a bad override: the run config's validation message
+        raise CLIError(str(exc)) from exc
+    _print_summary(summary, out)
+    return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.minutes <= 0:
+        raise CLIError("--minutes must be positive (e.g. --minutes 5)")
+    if args.group_size < 2:
+        raise CLIError("--group-size must be at least 2: GRPO compares answers within a group")
+    for name in ("groups_per_step", "workers", "warm_start_steps"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.lr < 0:
+        raise CLIError("--lr must be >= 0")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        raise CLIError(f"{args.model} is not a Hugging Face model directory (no config.json)")
+    from trainer.algorithms.config import PRESETS
+
+    if args.algorithm not in PRESETS:
+        raise CLIError(f"unknown --algorithm {args.algorithm!r}; choose from {sorted(PRESETS)}")
+
+
+def _sft_progress(total: int):  # type: ignore[no-untyped-def]
+    every = max(1, total // 5)
+
+    def report(step: int, nll: float) -> None:
+        if step % every == 0 or step == total:
+            print(f"  sft step {step}/{total}  nll {nll:.3f}", flush=True)
+
+    return report
+
+
+def _print_summary(s: dict[str, object], out: Path) -> None:
+    shown = {k: s[k] for k in ("reward_start", "reward_end", "steps", "seconds", "trained")}
+    print("\nsummary:", json.dumps(shown))
+    print(f"reward curve: {s['png']}\nsummary:      {out / 'summary.json'}")
+    print(
+        "open the run: rlgateway serve --database-url "
+        f"{s['database_url']} --model {s['model']}\n"
+        f"              then GET /runs/{s['run_id']} (admin token) or open /ui"
+    )

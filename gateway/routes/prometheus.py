@@ -1,0 +1,18 @@
+"""`GET /metrics`: Prometheus text format (admin token; in Prometheus set
+`authorization: {credentials: <admin token>}` on the scrape job)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.app import GatewayDep
+from gateway.routes.access import AdminDep
+
+router = APIRouter(tags=["metrics"])
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(gw: GatewayDep, _: AdminDep) -> Response:
+    await gw.metrics.refresh(gw.engine, gw.store)
+    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)

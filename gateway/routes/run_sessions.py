@@ -1,0 +1,121 @@
+"""A run's sessions: create them (admin or the run's key, under staleness admission) and browse
+them with filters, page by page."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, Field
+
+from gateway.app import GatewayDep
+from gateway.errors import BadRequest, Conflict, TooManyRequests
+from gateway.routes.access import RunAgentDep
+from gateway.views import summary_json
+from store.browse import MAX_PAGE
+from store.types import RunStatus, SessionFilter, SessionStatus, TrainState
+
+router = APIRouter(tags=["sessions"])
+
+
+class SessionsCreate(BaseModel):
+    count: int = Field(1, ge=1, le=1024)
+    group_id: str | None = Field(None, max_length=200)
+    """GRPO group: sessions that answer the same prompt share one group_id."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    """Free data kept with each session (the task, its answer, ...)."""
+
+
+@router.post("/runs/{run_id}/sessions", status_code=201)
+async def create_sessions(
+    gw: GatewayDep, _: RunAgentDep, run_id: str, body: SessionsCreate
+) -> dict[str, Any]:
+    """New sessions, each with its `base_url` and `api_key` for an OpenAI client. 429 with
+    Retry-After while the run is at its staleness bound; 409 for a stopped run."""
+    run = await gw.store.get_run(run_id)
+    if run.status == RunStatus.STOPPED:
+        raise Conflict(f"run {run_id} is stopped: it takes no new sessions")
+    async with gw.admission.lock(run_id):
+        try:
+            await gw.admission.check(run, body.count, gw.engine.version())
+        except TooManyRequests:
+            gw.metrics.admission_rejections.inc()
+            raise
+        created = await gw.store.create_sessions(
+            run_id, body.count, group_id=body.group_id, metadata=body.metadata
+        )
+    for s in created:  # known to be empty: no need to load their segments later
+        gw.sessions.remember_key(s.api_key, s.info)
+        gw.recorder.tracker.register_empty(s.info.id)
+    base = gw.settings.base_url()
+    return {
+        "sessions": [
+            {
+                "id": s.info.id,
+                "run_id": s.info.run_id,
+                "group_id": s.info.group_id,
+                "base_url": f"{base}/sessions/{s.info.id}/v1",
+                "api_key": s.api_key,
+            }
+            for s in created
+        ]
+    }
+
+
+@router.get("/runs/{run_id}/sessions")
+async def list_sessions(
+    gw: GatewayDep,
+    _: RunAgentDep,
+    run_id: str,
+    status: SessionStatus | None = None,
+    train_state: TrainState | None = None,
+    group_id: str | None = None,
+    rewarded: bool | None = None,
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+    min_version: Annotated[int | None, Query(ge=-1)] = None,
+    max_version: Annotated[int | None, Query(ge=-1)] = None,
+    min_prefix_breaks: Annotated[int | None, Query(ge=0)] = None,
+    max_prefix_breaks: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> dict[str, Any]:
+    """A page of the run's sessions, newest first. Filters (all optional, bounds inclusive):
+    `status` (active, ended), `train_state` (pending, claimed, consumed), `group_id`, `rewarded`,
+    `min_reward`/`max_reward` (on the session's total reward), `min_version`/`max_version` (a
+    sampled token of a policy version in range), `min_prefix_breaks`/`max_prefix_breaks`.
+    `next_offset` is null on the last page."""
+    where = filter_from(
+        status=status,
+        train_state=train_state,
+        group_id=group_id,
+        rewarded=rewarded,
+        min_reward=min_reward,
+        max_reward=max_reward,
+        min_version=min_version,
+        max_version=max_version,
+        min_prefix_breaks=min_prefix_breaks,
+        max_prefix_breaks=max_prefix_breaks,
+    )
+    await gw.store.get_run(run_id)
+    page, total = await gw.store.list_sessions(run_id, where, limit=limit, offset=offset)
+    more = offset + len(page) < total
+    return {
+        "sessions": [summary_json(s) for s in page],
+        "total": total,
+        "offset": offset,
+        "next_offset": offset + len(page) if more else None,
+    }
+
+
+def filter_from(**bounds: Any) -> SessionFilter:
+    """A SessionFilter from query parameters; 400 for a bound pair that cannot match."""
+    for low, high in (
+        ("min_reward", "max_reward"),
+        ("min_version", "max_version"),
+        ("min_prefix_breaks", "max_prefix_breaks"),
+    ):
+        lo, hi = bounds.get(low), bounds.get(high)
+        if lo is not None and hi is not None and lo > hi:
+            raise BadRequest(f"{low} ({lo}) is above {high} ({hi}): swap them", param=low)
+    return SessionFilter(**bounds)

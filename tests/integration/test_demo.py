@@ -1,0 +1,88 @@
+"""`rlgateway demo` as a user runs it (a subprocess), CI-sized: a short training run and a short
+control run, each checked through its outputs and the store it wrote."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.gateway_server import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--warm-start-steps", "4", "--workers", "2", "--group-size", "4", "--groups-per-step", "2"]
+
+
+def demo(out: Path, *args: str) -> tuple[str, dict[str, Any]]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "demo", "--out", str(out), *SMALL, *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads((out / "summary.json").read_text())
+
+
+def sessions(out: Path, run_id: str) -> list[tuple[str, str, str | None, float | None]]:
+    with sqlite3.connect(out / "demo.db") as db:
+        rows = db.execute(
+            "SELECT s.status, s.train_state, s.group_id, r.reward FROM sessions s "
+            "LEFT JOIN rewards r ON r.session_id = s.id WHERE s.run_id = ?",
+            (run_id,),
+        )
+        return list(rows)
+
+
+def test_demo_trains_and_reports(tmp_path: Path) -> None:
+    stdout, summary = demo(tmp_path, "--minutes", "3", "max_steps=3")
+    assert summary["trained"] is True
+    assert summary["steps"] == 3, "the trainer's max_steps ends the demo"
+    assert 0.0 <= summary["reward_start"] <= 1.0
+    assert 0.0 <= summary["reward_end"] <= 1.0
+    assert summary["seconds"] > 0
+    assert summary["curve"], "no row of the live table"
+    assert (tmp_path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "time episodes  reward version" in stdout
+    assert f"GET /runs/{summary['run_id']}" in stdout
+
+    rows = sessions(tmp_path, summary["run_id"])
+    consumed = [r for r in rows if r[1] == "consumed"]
+    assert len(consumed) >= 3 * 8, "three steps of two groups of four"
+    assert all(r[0] == "ended" and r[3] in (0.0, 1.0) for r in consumed)
+    groups: dict[str | None, int] = {}
+    for r in consumed:
+        groups[r[2]] = groups.get(r[2], 0) + 1
+    assert set(groups.values()) == {4}, "whole GRPO groups are trained"
+    versions = [row["version"] for row in summary["curve"]]
+    assert versions == sorted(versions)
+    assert max(versions) >= 1, "the agents were served the trained policy"
+
+
+def test_demo_without_training_is_the_control(tmp_path: Path) -> None:
+    _, summary = demo(tmp_path, "--no-train", "--minutes", "0.25")
+    assert summary["trained"] is False
+    assert summary["steps"] == 0
+    assert all(row["version"] == 0 for row in summary["curve"])
+    rows = sessions(tmp_path, summary["run_id"])
+    assert rows
+    assert all(r[1] != "consumed" for r in rows)
+
+
+def test_demo_rejects_bad_flags_before_loading_anything(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "demo", "--group-size", "1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert "--group-size must be at least 2" in proc.stderr
+    assert not (tmp_path / "demo-out").exists()
