@@ -1,10 +1,14 @@
 """Trainer throughput and hot-swap cost, side by side in one run.
 
-    .venv/bin/python bench/bench_trainer.py [--model-size test|demo] [--seqs 64] [--steps 3]
+    .venv/bin/python bench/bench_trainer.py [--model-size test|demo] [--seqs 64] [--steps 5]
+        [--token-budget B]
 
-1. Training tokens/s of the FSDP backend (packed micro-batches, no padding) against a plain
+1. Training tokens/s of the FSDP backend (packed micro-batches, no padding; per-sequence varlen
+   attention and, for comparison, SDPA with a block-diagonal mask over the row) against a plain
    single-process torch loop on the same sequences (padded batches of 8, the same policy-gradient
    loss, AdamW), and the padding each way wastes.
+   The three run in interleaved rounds (one step each per round, `--steps` rounds after a warmup
+   step), and the figures are medians, so that load from other processes falls on all alike.
 2. Hot-swap: `engine.update_weights(state_dict)` into the local engine, idle and with 32
    generations in flight (their KV caches are recomputed under the new weights), against the time
    to copy the state dict.
@@ -17,6 +21,7 @@ import asyncio
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,37 +53,40 @@ def pg_loss(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, norm: flo
     return -(logp * adv * mask).sum() / norm
 
 
-def backend_run(model_dir: str, seqs: list[Any], steps: int, budget: int) -> float:
+def backend_stepper(
+    model_dir: str, seqs: list[Any], budget: int, attention: str
+) -> Callable[[], None]:
+    """One FSDP-backend optimizer step over `seqs` per call (packed, `attention` kernel)."""
     from trainer.backends.fsdp import FSDPBackend
 
-    backend = FSDPBackend(model_dir, lr=1e-5)
+    backend = FSDPBackend(model_dir, lr=1e-5, attention=attention)  # type: ignore[arg-type]
     norm = float(sum(s.num_loss_tokens for s in seqs))
 
     def loss_fn(logp_1T: torch.Tensor, mb: Any, n: float) -> tuple[torch.Tensor, dict[str, float]]:
         return pg_loss(logp_1T, mb.advantages_1T, mb.loss_mask_1T.float(), n), {}
 
-    backend.train_step(seqs, loss_fn, temperature=1.0, token_budget=budget, global_norm=norm)
-    t0 = time.perf_counter()
-    for _ in range(steps):
+    def step() -> None:
         backend.train_step(seqs, loss_fn, temperature=1.0, token_budget=budget, global_norm=norm)
-    return (time.perf_counter() - t0) / steps
+
+    return step
 
 
-def plain_run(model_dir: str, seqs: list[Any], steps: int, batch: int) -> tuple[float, float]:
-    """A plain loop: padded batches of `batch` sequences in the given order."""
+def plain_stepper(model_dir: str, seqs: list[Any], batch: int) -> tuple[Callable[[], None], float]:
+    """A plain loop's optimizer step (padded batches of `batch` sequences in the given order) per
+    call, and the fraction of its tokens that are padding."""
     from transformers import AutoModelForCausalLM
 
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     norm = float(sum(s.num_loss_tokens for s in seqs))
-    padded = real = 0
+    groups = [seqs[i : i + batch] for i in range(0, len(seqs), batch)]
+    padded = sum(len(g) * max(len(s) for s in g) for g in groups)
+    real = sum(len(s) for s in seqs)
 
-    def one_step() -> None:
-        nonlocal padded, real
+    def step() -> None:
         opt.zero_grad()
-        for i in range(0, len(seqs), batch):
-            group = seqs[i : i + batch]
+        for group in groups:
             width = max(len(s) for s in group)
             ids = torch.zeros(len(group), width, dtype=torch.long)
             attn = torch.zeros(len(group), width, dtype=torch.long)
@@ -90,19 +98,26 @@ def plain_run(model_dir: str, seqs: list[Any], steps: int, batch: int) -> tuple[
                 attn[b, :n] = 1
                 adv[b, :n] = torch.tensor(s.advantages)
                 mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.float)
-            padded += ids.numel()
-            real += int(attn.sum())
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
             logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
             pg_loss(logp, adv[:, 1:], mask[:, 1:], norm).backward()
         opt.step()
 
-    one_step()
-    padded = real = 0
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        one_step()
-    return (time.perf_counter() - t0) / steps, 1 - real / padded
+    return step, 1 - real / padded
+
+
+def interleaved(steppers: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per step of each stepper: one warmup step each, then `rounds` rounds that run every
+    stepper once in turn, so that load from other processes falls on all of them alike."""
+    for step in steppers.values():
+        step()
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for _ in range(rounds):
+        for name, step in steppers.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 async def swap_times(model_dir: str, repeats: int) -> dict[str, float]:
@@ -144,7 +159,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-size", default="test", choices=["test", "demo"])
     ap.add_argument("--seqs", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--token-budget", type=int, default=1024)
     args = ap.parse_args()
 
@@ -156,26 +171,41 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     seqs = make_sequences(args.seqs, vocab, seed=0)
     tokens = sum(len(s) for s in seqs)
-    t_backend = backend_run(model_dir, seqs, args.steps, args.token_budget)
-    t_plain, waste = plain_run(model_dir, seqs, args.steps, batch=8)
+    plain, waste = plain_stepper(model_dir, seqs, batch=8)
+    budget = args.token_budget
+    times = interleaved(
+        {
+            "varlen": backend_stepper(model_dir, seqs, budget, "varlen"),
+            "sdpa": backend_stepper(model_dir, seqs, budget, "sdpa"),
+            "plain": plain,
+        },
+        args.steps,
+    )
     swap = asyncio.run(swap_times(model_dir, repeats=3))
     size = TINY_SIZES[args.model_size]
+    med = {name: statistics.median(t) for name, t in times.items()}
+    # per round, plain / backend: robust to load that changes from round to round
+    ratio = {
+        name: statistics.median(p / b for p, b in zip(times["plain"], times[name], strict=True))
+        for name in ("varlen", "sdpa")
+    }
     print(
         f"\nmodel tiny-{args.model_size} (hidden {size.hidden_size}, "
         f"{size.num_hidden_layers} layers), {args.seqs} sequences, {tokens} tokens per step, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads\n"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of "
+        f"{args.steps} interleaved rounds\n"
     )
-    print("| trainer | s/step | tokens/s | padding waste |")
-    print("|---|---:|---:|---:|")
+    print("| trainer | s/step | tokens/s | vs plain | padding waste |")
+    print("|---|---:|---:|---:|---:|")
+    for name, label in (
+        ("varlen", f"FSDP backend, packed (budget {budget}), varlen attention"),
+        ("sdpa", f"FSDP backend, packed (budget {budget}), sdpa block-diagonal mask"),
+    ):
+        print(f"| {label} | {med[name]:.2f} | {tokens / med[name]:.0f} | {ratio[name]:.2f}x | 0% |")
     print(
-        f"| FSDP backend, packed (budget {args.token_budget}) | {t_backend:.2f} | "
-        f"{tokens / t_backend:.0f} | 0% |"
+        f"| plain torch loop, padded batches of 8 | {med['plain']:.2f} | "
+        f"{tokens / med['plain']:.0f} | 1.00x | {100 * waste:.0f}% |\n"
     )
-    print(
-        f"| plain torch loop, padded batches of 8 | {t_plain:.2f} | {tokens / t_plain:.0f} | "
-        f"{100 * waste:.0f}% |"
-    )
-    print(f"\nbackend / plain throughput: {t_plain / t_backend:.2f}x\n")
     print("| hot-swap | ms |")
     print("|---|---:|")
     print(f"| copy the state dict (clone) | {1000 * swap['copy']:.1f} |")

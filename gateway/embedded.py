@@ -40,7 +40,7 @@ class EmbeddedTrainer:
         """Start training `cfg.run` (a new run when empty); `report` receives each step's
         metrics (default: a line on stdout)."""
         from engines.tiny_model import tiny_model_dir
-        from trainer.backends.registry import build_backend
+        from trainer.backends.registry import build_backend, build_value_backend
         from trainer.loop import Trainer
         from trainer.publish import LocalPublisher
 
@@ -61,8 +61,19 @@ class EmbeddedTrainer:
             reference = await asyncio.to_thread(
                 build_backend, cfg.backend_config(str(Path(model_dir)))
             )
+        critic = None
+        if cfg.algorithm_config().use_critic:
+            critic = await asyncio.to_thread(
+                build_value_backend, cfg.critic_backend_config(str(Path(model_dir)))
+            )
         trainer = Trainer(
-            cfg, c.store, backend, LocalPublisher(c.engine), reference=reference, report=report
+            cfg,
+            c.store,
+            backend,
+            LocalPublisher(c.engine),
+            reference=reference,
+            critic=critic,
+            report=report,
         )
         await trainer.resume()
         stop = asyncio.Event()
@@ -74,6 +85,7 @@ class EmbeddedTrainer:
         self._stop.set()
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
+        self.trainer.close()
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

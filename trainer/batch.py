@@ -10,8 +10,10 @@ transformers (5.x, `masking_utils.find_packed_sequence_indices`) then reads ever
 a sequence boundary and builds a block-diagonal causal mask for the eager and sdpa kernels, so
 each sequence gets exactly the logits it would get alone. The model must be called with
 `use_cache=False`: with a cache the reset detection is skipped. `tests/unit/test_batch.py` holds
-this to 1e-5. (flash-attention turns the same resets into varlen `cu_seqlens`; that path needs a
-GPU and is not exercised here.)
+this to 1e-5. That mask makes attention quadratic in the whole row, so the backend's default
+kernel is `trainer.attention.VARLEN` instead, which splits the row at the same resets and attends
+per sequence (held to the same 1e-5, gradients included). (flash-attention turns the resets into
+varlen `cu_seqlens`; that path needs a GPU and is not exercised here.)
 
 **Shifted alignment.** The logits at row position i predict the token at i + 1, so a micro-batch
 stores everything "by predicting position": `targets_1T[i]` is the next token of the same sequence,
@@ -53,6 +55,11 @@ class TrainSequence:
     """Reference-policy logprob of token t (for a KL term), if computed."""
     prox_logprobs: list[float] | None = None
     """Proximal-policy logprob of token t (decoupled PPO), if computed."""
+    values: list[float] | None = None
+    """Critic's value of the state before token t when the batch was formed (PPO's old values),
+    if a critic is trained; 0 where the mask is 0."""
+    returns: list[float] | None = None
+    """GAE return (advantage + old value) of token t, the critic's target; 0 where the mask is 0."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -104,6 +111,12 @@ class MicroBatch:
     """float32 reference logprob of the target, when every packed sequence has one."""
     prox_logp_1T: torch.Tensor | None
     """float32 proximal logprob of the target, when every packed sequence has one."""
+    old_values_1T: torch.Tensor | None
+    """float32 old critic value at the position (the state before the target is sampled), when
+    every packed sequence has values."""
+    returns_1T: torch.Tensor | None
+    """float32 return of the target (the critic's regression target), when every packed
+    sequence has returns."""
     seq_lens: tuple[int, ...]
     """Length of each packed sequence, in row order."""
     seq_ids: tuple[int, ...]
@@ -170,10 +183,18 @@ def _pack_row(seqs: Sequence[TrainSequence], ids: Sequence[int]) -> MicroBatch:
     cols: dict[str, list[float | int]] = {
         k: [] for k in ("input", "pos", "seq", "tgt", "mask", "behav", "adv", "ver")
     }
-    has_ref = all(s.ref_logprobs is not None for s in chosen)
-    has_prox = all(s.prox_logprobs is not None for s in chosen)
-    ref: list[float | int] = []
-    prox: list[float | int] = []
+    optional = {
+        name: [getattr(s, name) for s in chosen]
+        for name in ("ref_logprobs", "prox_logprobs", "values", "returns")
+    }
+    shifted: dict[str, list[float | int] | None] = {
+        name: (
+            [x for v in per_seq for x in _shifted(v, 0.0)]
+            if all(v is not None for v in per_seq)
+            else None
+        )
+        for name, per_seq in optional.items()
+    }
     for j, s in enumerate(chosen):
         cols["input"] += s.tokens
         cols["pos"] += range(len(s))
@@ -183,13 +204,13 @@ def _pack_row(seqs: Sequence[TrainSequence], ids: Sequence[int]) -> MicroBatch:
         cols["behav"] += _shifted(s.behav_logprobs, 0.0)
         cols["adv"] += _shifted(s.advantages, 0.0)
         cols["ver"] += _shifted(s.versions, -1)
-        if has_ref and s.ref_logprobs is not None:
-            ref += _shifted(s.ref_logprobs, 0.0)
-        if has_prox and s.prox_logprobs is not None:
-            prox += _shifted(s.prox_logprobs, 0.0)
 
     def row(values: list[float | int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).unsqueeze(0)
+
+    def maybe_row(name: str) -> torch.Tensor | None:
+        values = shifted[name]
+        return None if values is None else row(values, torch.float32)
 
     return MicroBatch(
         input_ids_1T=row(cols["input"], torch.int64),
@@ -200,8 +221,10 @@ def _pack_row(seqs: Sequence[TrainSequence], ids: Sequence[int]) -> MicroBatch:
         behav_logp_1T=row(cols["behav"], torch.float32),
         advantages_1T=row(cols["adv"], torch.float32),
         versions_1T=row(cols["ver"], torch.int64),
-        ref_logp_1T=row(ref, torch.float32) if has_ref else None,
-        prox_logp_1T=row(prox, torch.float32) if has_prox else None,
+        ref_logp_1T=maybe_row("ref_logprobs"),
+        prox_logp_1T=maybe_row("prox_logprobs"),
+        old_values_1T=maybe_row("values"),
+        returns_1T=maybe_row("returns"),
         seq_lens=tuple(len(s) for s in chosen),
         seq_ids=tuple(ids),
     )

@@ -1,12 +1,13 @@
 """Checkpoints that make training exactly-once across crashes.
 
-`checkpoint_dir/step-000007/` holds the backend's state (model, optimizer, schedule, step) and
-`rlgateway.json`: the step, the policy version it publishes, and the ids of the sessions that step
-trained. It is written to a `.tmp` directory and renamed, so a checkpoint exists whole or not at
-all. The order of a step is: train, save the checkpoint, mark its sessions consumed, publish. A
-trainer killed between saving and marking finds the ids in the newest checkpoint when it resumes
-and settles them as consumed: nothing is trained twice. Killed before saving, the step never
-happened: its sessions return to the queue when their lease expires and are trained later.
+`checkpoint_dir/step-000007/` holds the backend's state (model, optimizer, schedule, step), the
+critic's in `critic/` when one is trained (PPO), and `rlgateway.json`: the step, the policy
+version it publishes, and the ids of the sessions that step trained. It is written to a `.tmp`
+directory and renamed, so a checkpoint exists whole or not at all. The order of a step is: train,
+save the checkpoint, mark its sessions consumed, publish. A trainer killed between saving and
+marking finds the ids in the newest checkpoint when it resumes and settles them as consumed:
+nothing is trained twice. Killed before saving, the step never happened: its sessions return to
+the queue when their lease expires and are trained later.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.backends.base import TrainBackend
+from trainer.backends.base import TrainBackend, ValueBackend
 
 META = "rlgateway.json"
+CRITIC = "critic"
+"""Subdirectory of a checkpoint with the critic's own backend state (PPO)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,14 +60,18 @@ def save(
     *,
     keep: int,
     is_writer: bool = True,
+    critic: ValueBackend | None = None,
 ) -> Path:
-    """Write the checkpoint of `meta.step` atomically; keep the newest `keep`."""
+    """Write the checkpoint of `meta.step` atomically (with the critic's state, if one is given,
+    in its `critic/` subdirectory); keep the newest `keep`."""
     final = root / _name(meta.step)
     tmp = root / (_name(meta.step) + ".tmp")
     if is_writer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     backend.save(tmp)
+    if critic is not None:
+        critic.save(tmp / CRITIC)
     if is_writer:
         (tmp / META).write_text(
             json.dumps({"step": meta.step, "consumed": meta.consumed, "dropped": meta.dropped})
@@ -82,3 +89,13 @@ def save(
         for old in steps[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def load_critic(path: Path, critic: ValueBackend) -> None:
+    """Restore the critic saved beside the policy in checkpoint `path`."""
+    if not (path / CRITIC).is_dir():
+        raise ValueError(
+            f"checkpoint {path} holds no critic (it was written by a run without one): resume "
+            "with the algorithm it was trained with, or start from a fresh checkpoint_dir"
+        )
+    critic.load(path / CRITIC)

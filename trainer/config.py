@@ -38,6 +38,34 @@ class OptimConfig(BaseModel):
     """Recompute activations in backward to save memory."""
     seed: int = 0
     """Seed of torch's RNG in every rank."""
+    attention: Literal["varlen", "sdpa", "eager", "flash_attention_2"] = "varlen"
+    """Attention kernel inside packed rows; varlen costs per sequence, sdpa/eager per row."""
+
+
+class CriticConfig(BaseModel):
+    """The PPO critic (used when the algorithm has `use_critic`, e.g. the ppo preset): the policy's
+    architecture and initial weights with a scalar value head, trained by the same backend."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    lr: float | None = Field(None, gt=0)
+    """The critic's peak AdamW learning rate; None: `optim.lr`. Every other optimizer, schedule
+    and precision setting is the policy's."""
+
+
+class WandbConfig(BaseModel):
+    """Weights & Biases logging of the per-step metrics (needs `pip install wandb`)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    project: str = "rlgateway"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (user or team); None: your default."""
+    name: str | None = None
+    """Run name; None: the training run's id."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """online, offline (writes under checkpoint_dir/wandb for a later `wandb sync`), disabled."""
 
 
 class TrainConfig(BaseModel):
@@ -73,9 +101,11 @@ class TrainConfig(BaseModel):
     temperature: float = Field(1.0, gt=0)
     """The sampling temperature of the run's requests: logprobs are log_softmax(logits / T)."""
     token_budget: int = Field(1024, ge=16)
-    """Tokens per packed micro-batch (gradient accumulation over micro-batches). Attention
-    without a varlen kernel (SDPA on CPU) is quadratic in the packed row, so keep it near the
-    typical sequence length there; with flash-attention on GPUs raise it (e.g. 16384)."""
+    """Tokens per packed micro-batch (gradient accumulation over micro-batches). With the default
+    varlen attention (`optim.attention`) attention costs per sequence, not per row, so the budget
+    mostly bounds activation memory; on CPU 512-1024 measured fastest (BENCHMARKS.md, Trainer:
+    per-sequence attention). With sdpa's block-diagonal mask attention is quadratic in the row:
+    keep it near the typical sequence length there. On GPUs raise it (e.g. 16384)."""
     discount: float = Field(1.0, ge=0, le=1)
     """Per-turn discount gamma of the returns."""
     max_tokens: int | None = Field(None, ge=1)
@@ -90,6 +120,11 @@ class TrainConfig(BaseModel):
     """How often to look for trainable trajectories while waiting."""
     tensorboard: bool = True
     """Write TensorBoard event files under checkpoint_dir/tb."""
+    wandb: WandbConfig | None = None
+    """Weights & Biases logging of every step's metrics (besides stdout, metrics.jsonl and
+    TensorBoard): a `wandb:` section (even `wandb: {}`) turns it on; None: off."""
+    critic: CriticConfig = Field(default_factory=lambda: CriticConfig())
+    """The value model of algorithms with a critic (ppo)."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -129,7 +164,15 @@ class TrainConfig(BaseModel):
             mixed_precision=o.mixed_precision,
             gradient_checkpointing=o.gradient_checkpointing,
             seed=o.seed,
+            attention=o.attention,
         )
+
+    def critic_backend_config(self, model_dir: str) -> FSDPBackendConfig:
+        """The critic's backend settings: the policy's, with the critic's learning rate."""
+        base = self.backend_config(model_dir)
+        if self.critic.lr is None:
+            return base
+        return base.model_copy(update={"lr": self.critic.lr})
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

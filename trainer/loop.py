@@ -7,7 +7,8 @@ One step:
    dynamic sampling;
 3. build training sequences with token advantages; recompute proximal logprobs (decoupled PPO)
    and reference logprobs (KL) with no grad;
-4. one optimizer step over packed micro-batches;
+   with a critic (PPO), compute the critic's values of the batch, then GAE advantages and returns;
+4. one optimizer step over packed micro-batches (and one of the critic on the value loss);
 5. checkpoint (with the trained session ids), mark them consumed, publish weights as version
    step + 1 to the engines.
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import statistics
 import time
@@ -33,12 +33,14 @@ from store import NotFoundError, Store
 from store.types import RunStatus, Trajectory
 from trainer import checkpoint
 from trainer.algorithms.aggregation import loss_normalizer
-from trainer.backends.base import TrainBackend
+from trainer.algorithms.losses import explained_variance
+from trainer.backends.base import TrainBackend, ValueBackend
 from trainer.batch import TrainSequence
 from trainer.config import TrainConfig
-from trainer.loss import make_loss_fn
+from trainer.loss import make_loss_fn, make_value_loss_fn
 from trainer.publish import WeightPublisher
-from trainer.sequences import build_sequences
+from trainer.report import MetricsSink
+from trainer.sequences import build_sequences, with_gae
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class Trainer:
         publisher: WeightPublisher | None,
         *,
         reference: TrainBackend | None = None,
+        critic: ValueBackend | None = None,
         owner: str | None = None,
         report: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
@@ -64,16 +67,22 @@ class Trainer:
         self.store = store
         self.backend = backend
         self.reference = reference
+        self.critic = critic
         self.publisher = publisher
         self.owner = owner or f"trainer-{uuid.uuid4().hex[:12]}"
-        self.report = report or _print_report
         self.loss_fn = make_loss_fn(self.algo)
+        self.value_loss_fn = make_value_loss_fn(self.algo)
         self.root = Path(cfg.checkpoint_dir)
         self.metrics_path = self.root / "metrics.jsonl"
-        self._tb: Any = None
         self.is_leader = _rank() == 0
+        self.sink = MetricsSink(cfg, self.root, report or _print_report)
         if self.algo.kl_coef > 0 and reference is None:
             raise ValueError("kl_coef > 0 needs a reference model: pass `reference`")
+        if self.algo.use_critic and critic is None:
+            raise ValueError(
+                f"algorithm {cfg.algorithm!r} trains a critic (use_critic): pass `critic` "
+                "(trainer.backends.registry.build_value_backend)"
+            )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -85,6 +94,8 @@ class Trainer:
             return self.backend.step
         path, meta = found
         await asyncio.to_thread(self.backend.load, path)
+        if self.critic is not None and self.algo.use_critic:
+            await asyncio.to_thread(checkpoint.load_critic, path, self.critic)
         if not self.is_leader:
             return self.backend.step
         await self.store.settle_consumed(meta.consumed, step=meta.step)
@@ -180,13 +191,22 @@ class Trainer:
         cfg, algo, backend = self.cfg, self.algo, self.backend
         t0 = time.perf_counter()
         version = backend.step
-        built = build_sequences(batch, algo, max_tokens=cfg.max_tokens)
+        built = build_sequences(batch, algo, max_tokens=cfg.max_tokens, discount=cfg.discount)
         seqs = built.sequences
         if not seqs:  # every trajectory was filtered out: nothing to train, no new version
             if self.is_leader:
                 ids = [t.session.id for t in batch]
                 await self.store.mark_consumed(ids, owner=self.owner, step=-1)
             return
+        critic = self.critic if algo.use_critic else None
+        critic_stats: dict[str, float] = {}
+        if critic is not None:
+            assert built.token_rewards is not None
+            values = await asyncio.to_thread(
+                critic.forward_values, seqs, token_budget=cfg.token_budget
+            )
+            seqs = with_gae(seqs, built.token_rewards, values, algo)
+            critic_stats["explained_variance"] = _explained_variance(seqs)
         seqs = await self._with_side_logprobs(seqs)
         n_tokens = sum(s.num_loss_tokens for s in seqs)
         norm = loss_normalizer(algo.agg, num_tokens=n_tokens, num_seqs=len(seqs))
@@ -198,6 +218,21 @@ class Trainer:
             token_budget=cfg.token_budget,
             global_norm=norm,
         )
+        if critic is not None:
+            value_stats = await asyncio.to_thread(
+                critic.train_step,
+                seqs,
+                self.value_loss_fn,
+                temperature=cfg.temperature,
+                token_budget=cfg.token_budget,
+                global_norm=norm,
+            )
+            critic_stats |= {
+                "value_loss": value_stats.pop("loss"),
+                "critic_grad_norm": value_stats.pop("grad_norm"),
+                "critic_lr": value_stats.pop("lr"),
+                **value_stats,
+            }
         step = backend.step
         used = [t.session.id for t in built.used]
         dropped = [t.session.id for t in built.dropped]
@@ -208,6 +243,7 @@ class Trainer:
             checkpoint.CheckpointMeta(step, used, dropped),
             keep=cfg.keep_checkpoints,
             is_writer=self.is_leader,
+            critic=critic,
         )
         weights = backend.full_state_dict()  # a collective: every rank takes part
         if not self.is_leader:
@@ -236,6 +272,7 @@ class Trainer:
                 "tokens_per_s": n_tokens / elapsed if elapsed > 0 else 0.0,
                 "step_seconds": elapsed,
                 **stats,
+                **critic_stats,
             }
         )
         await self.store.record_step(
@@ -270,27 +307,27 @@ class Trainer:
     # -- reporting ---------------------------------------------------------------------------
 
     def _emit(self, row: dict[str, Any]) -> dict[str, Any]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.cfg.tensorboard:
-            self._tensorboard(row)
-        self.report(row)
+        self.sink.emit(row)
         return row
 
-    def _tensorboard(self, row: dict[str, Any]) -> None:
-        if self._tb is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                log.warning("tensorboard is not installed: pip install tensorboard for event files")
-                self.cfg = self.cfg.model_copy(update={"tensorboard": False})
-                return
-            self._tb = SummaryWriter(str(self.root / "tb"))
-        for k, v in row.items():
-            if isinstance(v, int | float) and k != "step":
-                self._tb.add_scalar(f"train/{k}", v, row["step"])
-        self._tb.flush()
+    def close(self) -> None:
+        """Flush and close the metric writers (TensorBoard, W&B)."""
+        self.sink.close()
+
+
+def _explained_variance(seqs: list[TrainSequence]) -> float:
+    """Of the critic's old values for the GAE returns, over the batch's sampled tokens."""
+    import torch
+
+    mask = [m for s in seqs for m in s.loss_mask]
+    values = [v for s in seqs for v in (s.values or [])]
+    returns = [r for s in seqs for r in (s.returns or [])]
+    ev = explained_variance(
+        torch.tensor([values], dtype=torch.float64),
+        torch.tensor([returns], dtype=torch.float64),
+        torch.tensor([mask], dtype=torch.bool),
+    )
+    return float(ev)
 
 
 def _rank() -> int:
@@ -316,6 +353,8 @@ def _print_report(row: dict[str, Any]) -> None:
         "reward_mean",
         "loss",
         "approx_kl",
+        "value_loss",
+        "explained_variance",
         "clip_frac_high",
         "imp_weight_max",
         "staleness_max",

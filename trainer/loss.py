@@ -1,4 +1,5 @@
-"""The loss callback the backend calls per packed micro-batch, built from an AlgorithmConfig."""
+"""The loss callbacks the backends call per packed micro-batch, built from an AlgorithmConfig:
+the policy's (`make_loss_fn`) and the critic's (`make_value_loss_fn`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from trainer.algorithms.aggregation import aggregate
 from trainer.algorithms.config import AlgorithmConfig
-from trainer.algorithms.losses import kl_penalty, ppo_policy_loss
+from trainer.algorithms.losses import kl_penalty, ppo_policy_loss, value_loss
 from trainer.backends.base import LossFn
 from trainer.batch import MicroBatch
 
@@ -60,5 +61,31 @@ def make_loss_fn(algo: AlgorithmConfig) -> LossFn:
         # what the current policy assigns to the sampled tokens: the entropy proxy on CPU budgets
         out["neg_logp"] = float(-(logp_1T.detach() * mask).sum() / mask.sum().clamp(min=1))
         return loss, out
+
+    return loss_fn
+
+
+def make_value_loss_fn(algo: AlgorithmConfig) -> LossFn:
+    """The clipped PPO value loss (`value_loss`, clip `algo.value_clip`) of the critic's values
+    against the GAE returns, aggregated like the policy loss (`algo.agg`, same normaliser)."""
+
+    def loss_fn(
+        values_1T: torch.Tensor, mb: MicroBatch, normalizer: float
+    ) -> tuple[torch.Tensor, Mapping[str, float]]:
+        missing = "the value loss needs old values and returns (trainer.sequences.with_gae)"
+        assert mb.old_values_1T is not None, missing
+        assert mb.returns_1T is not None, missing
+        loss, stats = value_loss(
+            values_1T,
+            mb.old_values_1T,
+            mb.returns_1T,
+            mb.loss_mask_1T,
+            value_clip=algo.value_clip,
+            agg=algo.agg,
+            norm_len=algo.norm_len,
+            normalizer=normalizer,
+            seq_index_BT=mb.seq_index_1T,
+        )
+        return loss, {k: float(v) for k, v in stats.items()}
 
     return loss_fn

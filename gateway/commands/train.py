@@ -33,7 +33,7 @@ async def _train(cfg: object, gateway_url: str | None, token: str | None) -> int
     from engines.tiny_model import tiny_model_dir
     from store import Store
     from store.errors import StoreError
-    from trainer.backends.registry import build_backend
+    from trainer.backends.registry import build_backend, build_value_backend
     from trainer.config import TrainConfig
     from trainer.loop import Trainer
     from trainer.publish import DiskPublisher
@@ -54,15 +54,26 @@ async def _train(cfg: object, gateway_url: str | None, token: str | None) -> int
         reference = None
         if cfg.algorithm_config().kl_coef > 0:
             reference = await asyncio.to_thread(build_backend, cfg.backend_config(str(model_dir)))
+        critic = None
+        if cfg.algorithm_config().use_critic:
+            critic = await asyncio.to_thread(
+                build_value_backend, cfg.critic_backend_config(str(model_dir))
+            )
         publisher = None
         if gateway_url:
             assert token is not None
             weights_dir = Path(cfg.checkpoint_dir) / "published"
             publisher = DiskPublisher(weights_dir, model_dir, gateway_url, token)
-        trainer = Trainer(cfg, store, backend, publisher, reference=reference)
-        start = await trainer.resume()
+        try:
+            trainer = Trainer(cfg, store, backend, publisher, reference=reference, critic=critic)
+            start = await trainer.resume()
+        except ValueError as exc:  # e.g. wandb configured but not installed; a foreign checkpoint
+            raise CLIError(str(exc)) from exc
         print(f"training run {cfg.run} from step {start} to {cfg.max_steps}", flush=True)
-        await trainer.run()
+        try:
+            await trainer.run()
+        finally:
+            trainer.close()
     finally:
         await store.close()
     return 0

@@ -5,6 +5,7 @@ advances."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -65,8 +66,9 @@ def run_config(tmp_path: Path, **kw: Any) -> Path:
     return path
 
 
-def test_serve_with_embedded_trainer(tiny_model: Path, tmp_path: Path) -> None:
-    config = run_config(tmp_path)
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_serve_with_embedded_trainer(tiny_model: Path, tmp_path: Path, algorithm: str) -> None:
+    config = run_config(tmp_path, algorithm=algorithm)
     args = ("--train", "--config", str(config))
     with run_gateway(tiny_model, tmp_path, extra_args=args) as gw:
         runs = [line for line in gw.log_path.read_text().splitlines() if "training run" in line]
@@ -78,7 +80,9 @@ def test_serve_with_embedded_trainer(tiny_model: Path, tmp_path: Path) -> None:
         run_id = runs[0].split()[2]
         drive(gw, run_id, STEPS)
         assert gw.client.get("/admin/version").json() == {"version": STEPS}
-    assert (tmp_path / "ckpt" / f"step-{STEPS:06d}").is_dir()
+    last = tmp_path / "ckpt" / f"step-{STEPS:06d}"
+    assert last.is_dir()
+    assert (last / "critic").is_dir() == (algorithm == "ppo")  # ppo trains and saves a critic
 
 
 def test_separate_trainer_publishes_to_the_gateway(tiny_model: Path, tmp_path: Path) -> None:
@@ -87,8 +91,10 @@ def test_separate_trainer_publishes_to_the_gateway(tiny_model: Path, tmp_path: P
         config = run_config(
             tmp_path, run=run_id, database_url=gw.database_url, model=str(tiny_model)
         )
+        # the preset chosen by a command-line override, with no change to the config file
         cmd = [sys.executable, "-m", "gateway.cli", "train", "--config", str(config),
-               "--gateway-url", gw.url, "--admin-token", gw.admin_token]  # fmt: skip
+               "--gateway-url", gw.url, "--admin-token", gw.admin_token,
+               "algorithm=ppo"]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         log = tmp_path / "trainer.log"
         with log.open("w") as out:
@@ -101,6 +107,8 @@ def test_separate_trainer_publishes_to_the_gateway(tiny_model: Path, tmp_path: P
                     trainer.kill()
                     trainer.wait()
         assert gw.client.get("/admin/version").json() == {"version": STEPS}
+        metrics = (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()
+        assert all("value_loss" in json.loads(line) for line in metrics)
         published = sorted(p.name for p in (tmp_path / "ckpt" / "published").iterdir())
         assert published == [f"v{v}" for v in range(1, STEPS + 1)]
         r = gw.client.post("/admin/weights", json={"path": str(tmp_path / "nope")})

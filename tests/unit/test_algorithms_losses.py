@@ -11,6 +11,7 @@ import torch
 from trainer.algorithms import (
     aggregate,
     entropy_from_logits,
+    explained_variance,
     kl_penalty,
     loss_normalizer,
     ppo_policy_loss,
@@ -473,3 +474,32 @@ def test_empty_mask_gives_zero_loss_and_finite_stats() -> None:
             loss, stats = run_loss(d, variant, agg)
             assert loss.item() == 0.0
             assert all(math.isfinite(v.item()) for v in stats.values())
+
+
+def test_explained_variance_matches_loop() -> None:
+    d = batch(21)
+    returns, m = d["adv"], d["mask"]
+    values = returns + 0.5 * torch.randn(
+        returns.shape, generator=torch.Generator().manual_seed(3), dtype=F64
+    )
+    pairs = [
+        (values[b, t].item(), returns[b, t].item())
+        for b in range(returns.shape[0])
+        for t in range(returns.shape[1])
+        if m[b, t]
+    ]
+    n = len(pairs)
+    r_mean = sum(r for _, r in pairs) / n
+    var_r = sum((r - r_mean) ** 2 for _, r in pairs) / n
+    d_mean = sum(r - v for v, r in pairs) / n
+    var_d = sum((r - v - d_mean) ** 2 for v, r in pairs) / n
+    got = explained_variance(values, returns, m)
+    assert got.item() == pytest.approx(1 - var_d / var_r, abs=1e-12)
+    assert 0 < got.item() < 1  # a noisy but informative critic
+    # a perfect critic explains everything; a constant one nothing; constant returns give 0
+    assert explained_variance(returns, returns, m).item() == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(returns, 3.0), returns, m).item() == pytest.approx(
+        0.0, abs=1e-12
+    )
+    assert explained_variance(values, torch.ones_like(returns), m).item() == 0.0
+    assert explained_variance(values, returns, torch.zeros_like(m)).item() == 0.0

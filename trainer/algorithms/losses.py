@@ -205,3 +205,22 @@ def value_loss(
             "returns_mean": _masked_mean(ret, m, n),
         }
     return loss, stats
+
+
+def explained_variance(
+    values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> torch.Tensor:
+    """How much of the returns' variance the critic explains: `1 - Var(R - V) / Var(R)` over the
+    masked entries (population variances). 1 is a perfect critic, 0 one no better than the mean
+    return, negative worse. Defined as 0 when the returns have no variance (or nothing is
+    masked), so the metric stays finite."""
+    check_bt_shapes(values_BT=values_BT, returns_BT=returns_BT)
+    m = mask_BT.bool()
+    n = m.sum().clamp(min=1)
+    v, r = values_BT.detach(), returns_BT.detach()
+    r_mean = _masked_mean(r, m, n)
+    var_r = _masked_mean((r - r_mean).square(), m, n)
+    diff = r - v
+    var_d = _masked_mean((diff - _masked_mean(diff, m, n)).square(), m, n)
+    safe = torch.where(var_r > 0, var_r, torch.ones_like(var_r))
+    return torch.where(var_r > 0, 1 - var_d / safe, torch.zeros_like(var_r))

@@ -72,3 +72,41 @@ class TrainBackend(Protocol):
     def load(self, path: str | Path) -> None:
         """Restores what `save` wrote, so that training continues exactly as without a restart."""
         ...
+
+
+class ValueBackend(Protocol):
+    """A trainable value model (the PPO critic), sharded and checkpointed like a policy.
+
+    `train_step` is `TrainBackend.train_step` with one difference: the loss callback's first
+    argument is the float32 value at each row position (with grad), aligned like logprobs: the
+    value at position i is that of the state before the token at i + 1 (`temperature` is unused).
+    """
+
+    step: int
+
+    def forward_values(
+        self, seqs: Sequence[TrainSequence], *, token_budget: int = 8192
+    ) -> list[list[float]]:
+        """Value of the state before every token, without grad: entry t of sequence i is computed
+        at position t - 1, and entry 0 is 0. Every rank gets the full result."""
+        ...
+
+    def train_step(
+        self,
+        seqs: Sequence[TrainSequence],
+        loss_fn: LossFn,
+        *,
+        temperature: float,
+        token_budget: int,
+        global_norm: float,
+    ) -> dict[str, float]:
+        """One optimizer step of the value model (see `TrainBackend.train_step`)."""
+        ...
+
+    def save(self, path: str | Path) -> None:
+        """Writes weights, optimizer, LR schedule and step into directory `path`."""
+        ...
+
+    def load(self, path: str | Path) -> None:
+        """Restores what `save` wrote."""
+        ...

@@ -39,6 +39,9 @@ class FSDPBackendConfig(BaseModel):
     """Recompute activations in backward to save memory."""
     seed: int = 0
     """Seed of torch's global RNG in every rank."""
+    attention: Literal["varlen", "sdpa", "eager", "flash_attention_2"] = "varlen"
+    """Attention kernel of packed rows: varlen (per-sequence SDPA, `trainer.attention`), sdpa or
+    eager (one block-diagonal mask over the whole row), or flash_attention_2 (GPU, if installed)."""
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> FSDPBackendConfig:

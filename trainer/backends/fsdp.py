@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.backends.base import LossFn
 from trainer.batch import (
+    MicroBatch,
     TrainSequence,
     pack,
     plan_micro_batches,
@@ -54,6 +55,7 @@ from trainer.batch import (
 
 MixedPrecision = Literal["fp32", "bf16"]
 Schedule = Literal["constant", "linear", "cosine"]
+Attention = Literal["varlen", "sdpa", "eager", "flash_attention_2"]
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
@@ -131,8 +133,8 @@ class FSDPBackend:
         mixed_precision: MixedPrecision = "fp32",
         gradient_checkpointing: bool = False,
         seed: int = 0,
+        attention: Attention = "varlen",
     ) -> None:
-        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         if lr <= 0 or total_steps < 1 or warmup_steps < 0:
@@ -153,9 +155,13 @@ class FSDPBackend:
         torch.manual_seed(seed)  # for models whose config enables dropout
 
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
-        )
+        if attention == "varlen":
+            from trainer.attention import register
+
+            attn_implementation = register()
+        else:
+            attn_implementation = attention
+        model = self._load_model(str(model_dir), attn_implementation)
         model.config.use_cache = False
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(
@@ -183,6 +189,21 @@ class FSDPBackend:
         self.schedule = LRSchedule(schedule, warmup_steps, total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self.step = 0
+
+    def _load_model(self, model_dir: str, attn_implementation: str) -> Any:
+        """The HF model to train, in float32 (a subclass trains another head)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation=attn_implementation
+        )
+
+    def _per_position(
+        self, logits: torch.Tensor, mb: MicroBatch, temperature: float
+    ) -> torch.Tensor:
+        """What the loss sees at each row position, [1, T] float32: here the logprob of the
+        position's target (a subclass returns values)."""
+        return token_logprobs(logits, mb.targets_1T, temperature)
 
     # -- data parallelism ------------------------------------------------------------------------
 
@@ -223,6 +244,12 @@ class FSDPBackend:
     def forward_logprobs(
         self, seqs: Sequence[TrainSequence], temperature: float, *, token_budget: int = 8192
     ) -> list[list[float]]:
+        return self._score(seqs, temperature, token_budget)
+
+    def _score(
+        self, seqs: Sequence[TrainSequence], temperature: float, token_budget: int
+    ) -> list[list[float]]:
+        """`_per_position` of every sequence without grad, unpacked per token, on every rank."""
         ids = self._shards(seqs)[self.rank]
         micro = pack([seqs[i] for i in ids], token_budget)
         results: dict[int, list[float]] = {}
@@ -234,8 +261,8 @@ class FSDPBackend:
                     continue
                 mb = micro[k].to(self.device)
                 logits = self._forward(mb.input_ids_1T, mb.position_ids_1T)
-                logp_1T = token_logprobs(logits, mb.targets_1T, temperature)
-                for j, values in zip(mb.seq_ids, unpack_token_values(logp_1T, mb), strict=True):
+                out_1T = self._per_position(logits, mb, temperature)
+                for j, values in zip(mb.seq_ids, unpack_token_values(out_1T, mb), strict=True):
                     results[ids[j]] = values
         for part in self._gather(results):
             results |= part
@@ -265,8 +292,7 @@ class FSDPBackend:
                 continue
             mb = micro[k].to(self.device)
             logits = self._forward(mb.input_ids_1T, mb.position_ids_1T)
-            logp_1T = token_logprobs(logits, mb.targets_1T, temperature)
-            loss, stats = loss_fn(logp_1T, mb, global_norm)
+            loss, stats = loss_fn(self._per_position(logits, mb, temperature), mb, global_norm)
             # FSDP averages gradients over ranks; the global normaliser wants their sum.
             torch.autograd.backward(loss * self.world_size)
             values = {key: float(v) for key, v in stats.items()}

@@ -4,14 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from trainer.backends.base import TrainBackend
+from trainer.backends.base import TrainBackend, ValueBackend
 from trainer.backends.config import BackendConfig
 from trainer.backends.fsdp import FSDPBackend
+from trainer.backends.fsdp_value import FSDPValueBackend
 
 BACKEND_CLASSES: dict[str, Callable[..., TrainBackend]] = {"fsdp": FSDPBackend}
 """Backend classes by config `type`; each takes its config's fields (less `type`) as arguments."""
+
+VALUE_BACKEND_CLASSES: dict[str, Callable[..., ValueBackend]] = {"fsdp": FSDPValueBackend}
+"""Value-model (critic) backends by config `type`, constructed the same way."""
 
 
 def build_backend(config: BackendConfig) -> TrainBackend:
     """The backend that `config.type` names, constructed from the config's fields."""
     return BACKEND_CLASSES[config.type](**config.model_dump(exclude={"type"}))
+
+
+def build_value_backend(config: BackendConfig) -> ValueBackend:
+    """The critic that `config.type` names: the policy architecture with a scalar value head,
+    initialised from `config.model_dir`."""
+    return VALUE_BACKEND_CLASSES[config.type](**config.model_dump(exclude={"type"}))
