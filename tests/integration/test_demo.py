@@ -32,10 +32,11 @@ def demo(out: Path, *args: str) -> tuple[str, dict[str, Any]]:
     return proc.stdout, json.loads((out / "summary.json").read_text())
 
 
-def sessions(out: Path, run_id: str) -> list[tuple[str, str, str | None, float | None]]:
+def sessions(out: Path, run_id: str) -> list[tuple[bool, str, str | None, float | None]]:
+    """(ended, train_state, group_id, reward) of each session of the run."""
     with sqlite3.connect(out / "demo.db") as db:
         rows = db.execute(
-            "SELECT s.status, s.train_state, s.group_id, r.reward FROM sessions s "
+            "SELECT s.ended_at IS NOT NULL, s.train_state, s.group_id, r.value FROM sessions s "
             "LEFT JOIN rewards r ON r.session_id = s.id WHERE s.run_id = ?",
             (run_id,),
         )
@@ -57,7 +58,7 @@ def test_demo_trains_and_reports(tmp_path: Path) -> None:
     rows = sessions(tmp_path, summary["run_id"])
     consumed = [r for r in rows if r[1] == "consumed"]
     assert len(consumed) >= 3 * 8, "three steps of two groups of four"
-    assert all(r[0] == "ended" and r[3] in (0.0, 1.0) for r in consumed)
+    assert all(r[0] and r[3] in (0.0, 1.0) for r in consumed)
     groups: dict[str | None, int] = {}
     for r in consumed:
         groups[r[2]] = groups.get(r[2], 0) + 1
