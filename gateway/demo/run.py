@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.demo.harness import Agents
 from gateway.demo.report import Progress, summarize, write_outputs
-from gateway.demo.task import MAX_TOKENS, all_problems
+from gateway.demo.task import LONGEST_ANSWER, MAX_TOKENS, all_problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +66,10 @@ def train_config(o: DemoOptions, run_id: str, database_url: str) -> Any:
     }
     from trainer.algorithms.config import PRESETS
 
-    if PRESETS[o.algorithm].overlong_buffer is not None:  # DAPO: shape over the last half
-        data["algo"] = {"overlong_buffer": MAX_TOKENS // 2}
+    if PRESETS[o.algorithm].overlong_buffer is not None:
+        # DAPO's overlong penalty must spare every right answer: the longest is LONGEST_ANSWER
+        # tokens (seven letters and the end token), so only the tokens past it are penalised.
+        data["algo"] = {"overlong_buffer": MAX_TOKENS - LONGEST_ANSWER}
     return TrainConfig.model_validate(apply_overrides(data, list(o.overrides)))
 
 

@@ -24,9 +24,12 @@ TASK_VERSION = 3
 """Bump when problems, prompts or the teacher change (cached warm starts are keyed by it)."""
 
 MAX_TOKENS = 10
-"""New tokens an answer may take (the longest right answer is 7 letters and the end token)."""
+"""New tokens an answer may take."""
 
 LENGTHS = {3: "three", 5: "five", 7: "seven"}
+
+LONGEST_ANSWER = max(LENGTHS) + 1
+"""Tokens of the longest right answer: seven letters (one token each) and the end token."""
 
 SLOPPY_CHARS = string.ascii_letters + string.digits + " .,!"
 

@@ -73,3 +73,38 @@ def test_progress_rows_and_summary_use_windows_of_episodes() -> None:
     assert s["episodes"] == 20
     assert s["trained"] is True
     assert s["steps"] == 4
+
+
+def test_the_demo_run_config_never_penalises_a_right_answer() -> None:
+    """DAPO's overlong shaping must leave the longest right answer (7 letters + end) alone."""
+    from pathlib import Path
+
+    import torch
+
+    from gateway.demo.run import DemoOptions, train_config
+    from gateway.demo.task import LONGEST_ANSWER, MAX_TOKENS
+    from trainer.algorithms.shaping import overlong_shaping
+
+    o = DemoOptions(
+        model_dir=Path("m"),
+        out=Path("o"),
+        train=True,
+        minutes=1.0,
+        seed=0,
+        algorithm=algorithm,
+        lr=2e-4,
+        group_size=8,
+        groups_per_step=4,
+        eta=1,
+        workers=2,
+    )
+    algo = train_config(o, "run", "sqlite:///x").algorithm_config()
+    assert algo.overlong_buffer is not None
+    shaped = overlong_shaping(
+        torch.tensor([1.0, 1.0]),
+        torch.tensor([LONGEST_ANSWER, MAX_TOKENS]),
+        max_len=MAX_TOKENS,
+        overlong_buffer=algo.overlong_buffer,
+    )
+    assert shaped[0] == 1.0
+    assert shaped[1] < 1.0
