@@ -91,7 +91,7 @@ def test_the_demo_run_config_never_penalises_a_right_answer() -> None:
         train=True,
         minutes=1.0,
         seed=0,
-        algorithm=algorithm,
+        algorithm="dapo",
         lr=2e-4,
         group_size=8,
         groups_per_step=4,
