@@ -205,19 +205,28 @@ async def test_pause_holds_requests_and_resume_continues_them(fake: FakeServer) 
     try:
         sampling = SamplingParams(max_new_tokens=200, ignore_eos=True)
         req = GenerateRequest(prompt_ids=PROMPT, sampling=sampling)
-        task = asyncio.create_task(collect(engine, req))
-        while engine.live_requests == 0:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)
+        chunks: list[Any] = []
+
+        async def consume() -> None:
+            async for chunk in engine.generate(req):
+                chunks.append(chunk)
+
+        task = asyncio.create_task(consume())
+        while not chunks:  # the first tokens are out: pause now, mid-request
+            await asyncio.sleep(0.005)
         await engine.pause()
         assert (await engine.health()).paused
+        await asyncio.sleep(0.3)  # tokens already in flight may still arrive
+        held = len(chunks)
         await asyncio.sleep(0.3)
+        assert len(chunks) == held, "tokens kept coming while the engine was paused"
         assert not task.done()
         await engine.resume()
-        r = await task
-        assert r.finish_reason == FinishReason.LENGTH
-        assert len(r.token_ids) == 200
-        assert set(r.versions) == {0}
+        await task
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert chunks[-1].finish_reason == FinishReason.LENGTH
+        assert len(tokens) == 200
+        assert {v for c in chunks for v in c.versions} == {0}
     finally:
         await engine.close()
 
