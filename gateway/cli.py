@@ -156,9 +156,7 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     demo.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
     demo.add_argument("--out", default="demo-out", help="output directory (default demo-out)")
     demo.add_argument(
-        "--algorithm",
-        default="dapo",
-        help="preset: dapo (default: GRPO with clip-higher and dynamic sampling), grpo, rloo, ...",
+        "--algorithm", default="grpo", help="preset: grpo (default), dapo, rloo, gspo, ..."
     )
     demo.add_argument("--lr", type=float, default=DEMO_LR, help=f"learning rate ({DEMO_LR:g})")
     demo.add_argument("--group-size", type=int, default=8, help="agents per prompt (default 8)")

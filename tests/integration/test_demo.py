@@ -44,8 +44,8 @@ def sessions(out: Path, run_id: str) -> list[tuple[bool, str, str | None, float 
 
 
 def test_demo_trains_and_reports(tmp_path: Path) -> None:
-    # grpo, not the default dapo: dynamic sampling would drop the all-zero groups of this barely
-    # warm-started model, and the test wants a fixed number of steps.
+    # grpo (the default, named because the test relies on it): dapo's dynamic sampling would drop
+    # the all-zero groups of this barely warm-started model, and the test wants 3 steps.
     stdout, summary = demo(tmp_path, "--algorithm", "grpo", "--minutes", "3", "max_steps=3")
     assert summary["trained"] is True
     assert summary["steps"] == 3, "the trainer's max_steps ends the demo"
