@@ -81,6 +81,9 @@ def run_serve(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
+        # Longer than common clients' keep-alive (httpx: 5 s), so that the server never closes
+        # an idle connection just as a client reuses it (a ReadError on the client).
+        timeout_keep_alive=30,
     )
     return 0
 
