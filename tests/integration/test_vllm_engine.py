@@ -44,7 +44,7 @@ PARITY = 1e-3
 TEMPERATURE = 0.7
 LOAD = 16
 """Concurrent clients that keep vLLM busy during the swap test."""
-TRIES = 3
+TRIES = 6
 """Attempts at landing an abort or a swap mid-request (a starved machine can be too late)."""
 
 
