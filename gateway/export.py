@@ -31,6 +31,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from gateway.views import reward_json
 from store import Store
 from store.types import JSON, SessionDetail, SessionFilter
 
@@ -51,15 +52,7 @@ def trajectory_line(d: SessionDetail, transcripts: dict[str, JSON]) -> dict[str,
         "ended_at": info.ended_at.isoformat() if info.ended_at else None,
         "prefix_breaks": info.prefix_breaks,
         "reward": sum(r.value for r in d.rewards) if d.rewards else None,
-        "rewards": [
-            {
-                "reward": r.value,
-                "completion_id": r.completion_id,
-                "key": r.key,
-                "created_at": r.created_at.isoformat(),
-            }
-            for r in d.rewards
-        ],
+        "rewards": [reward_json(r) for r in d.rewards],
         "returns": d.returns,
         "segments": [
             {

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from store.types import Run, RunSummary, SessionDetail, SessionInfo, SessionSummary, TrainStep
+from store.types import (
+    Reward,
+    Run,
+    RunSummary,
+    SessionDetail,
+    SessionInfo,
+    SessionSummary,
+    TrainStep,
+)
 
 
 def run_json(run: Run) -> dict[str, Any]:
@@ -47,18 +55,19 @@ def summary_json(s: SessionSummary) -> dict[str, Any]:
     return {**info_json(s.info), "turns": s.turns, "reward": s.reward}
 
 
+def reward_json(r: Reward) -> dict[str, Any]:
+    return {
+        "reward": r.value,
+        "completion_id": r.completion_id,
+        "key": r.key,
+        "created_at": r.created_at.isoformat(),
+    }
+
+
 def detail_json(d: SessionDetail) -> dict[str, Any]:
     return {
         **info_json(d.info),
-        "rewards": [
-            {
-                "reward": r.value,
-                "completion_id": r.completion_id,
-                "key": r.key,
-                "created_at": r.created_at.isoformat(),
-            }
-            for r in d.rewards
-        ],
+        "rewards": [reward_json(r) for r in d.rewards],
         "returns": d.returns,
         "finish_reasons": d.finish_reasons,
         "segments": [

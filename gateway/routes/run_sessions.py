@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
 from gateway.app import GatewayDep
@@ -67,36 +67,12 @@ async def list_sessions(
     gw: GatewayDep,
     _: RunAgentDep,
     run_id: str,
-    status: SessionStatus | None = None,
-    train_state: TrainState | None = None,
-    group_id: str | None = None,
-    rewarded: bool | None = None,
-    min_reward: float | None = None,
-    max_reward: float | None = None,
-    min_version: Annotated[int | None, Query(ge=-1)] = None,
-    max_version: Annotated[int | None, Query(ge=-1)] = None,
-    min_prefix_breaks: Annotated[int | None, Query(ge=0)] = None,
-    max_prefix_breaks: Annotated[int | None, Query(ge=0)] = None,
+    where: SessionFilterDep,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> dict[str, Any]:
-    """A page of the run's sessions, newest first. Filters (all optional, bounds inclusive):
-    `status` (active, ended), `train_state` (pending, claimed, consumed), `group_id`, `rewarded`,
-    `min_reward`/`max_reward` (on the session's total reward), `min_version`/`max_version` (a
-    sampled token of a policy version in range), `min_prefix_breaks`/`max_prefix_breaks`.
+    """A page of the run's sessions, newest first, filtered as `session_filter` says.
     `next_offset` is null on the last page."""
-    where = filter_from(
-        status=status,
-        train_state=train_state,
-        group_id=group_id,
-        rewarded=rewarded,
-        min_reward=min_reward,
-        max_reward=max_reward,
-        min_version=min_version,
-        max_version=max_version,
-        min_prefix_breaks=min_prefix_breaks,
-        max_prefix_breaks=max_prefix_breaks,
-    )
     await gw.store.get_run(run_id)
     page, total = await gw.store.list_sessions(run_id, where, limit=limit, offset=offset)
     more = offset + len(page) < total
@@ -108,14 +84,43 @@ async def list_sessions(
     }
 
 
-def filter_from(**bounds: Any) -> SessionFilter:
-    """A SessionFilter from query parameters; 400 for a bound pair that cannot match."""
-    for low, high in (
-        ("min_reward", "max_reward"),
-        ("min_version", "max_version"),
-        ("min_prefix_breaks", "max_prefix_breaks"),
+def session_filter(
+    status: SessionStatus | None = None,
+    train_state: TrainState | None = None,
+    group_id: str | None = None,
+    rewarded: bool | None = None,
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+    min_version: Annotated[int | None, Query(ge=-1)] = None,
+    max_version: Annotated[int | None, Query(ge=-1)] = None,
+    min_prefix_breaks: Annotated[int | None, Query(ge=0)] = None,
+    max_prefix_breaks: Annotated[int | None, Query(ge=0)] = None,
+) -> SessionFilter:
+    """The session filters of a query string (all optional, bounds inclusive): `status`
+    (active, ended), `train_state` (pending, claimed, consumed), `group_id`, `rewarded`,
+    `min_reward`/`max_reward` (on the session's total reward), `min_version`/`max_version` (a
+    sampled token of a policy version in range), `min_prefix_breaks`/`max_prefix_breaks`.
+    400 for a bound pair that cannot match."""
+    for low, lo, high, hi in (
+        ("min_reward", min_reward, "max_reward", max_reward),
+        ("min_version", min_version, "max_version", max_version),
+        ("min_prefix_breaks", min_prefix_breaks, "max_prefix_breaks", max_prefix_breaks),
     ):
-        lo, hi = bounds.get(low), bounds.get(high)
         if lo is not None and hi is not None and lo > hi:
             raise BadRequest(f"{low} ({lo}) is above {high} ({hi}): swap them", param=low)
-    return SessionFilter(**bounds)
+    return SessionFilter(
+        status=status,
+        train_state=train_state,
+        group_id=group_id,
+        rewarded=rewarded,
+        min_reward=min_reward,
+        max_reward=max_reward,
+        min_version=min_version,
+        max_version=max_version,
+        min_prefix_breaks=min_prefix_breaks,
+        max_prefix_breaks=max_prefix_breaks,
+    )
+
+
+SessionFilterDep = Annotated[SessionFilter, Depends(session_filter)]
+"""The filters `GET /runs/{id}/sessions` and `GET /runs/{id}/export` share."""
