@@ -5,11 +5,35 @@ from __future__ import annotations
 import math
 
 from sqlalchemy import delete, select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from store.db import Database, utcnow
 from store.errors import ConflictError, NotFoundError
 from store.sessions import session_not_found
 from store.tables import CompletionRow, RewardRow, SessionRow
+
+
+def _check_finite(value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"a reward must be a finite number, got {value}")
+
+
+async def _lock_target(s: AsyncSession, session_id: str, completion_id: str | None) -> None:
+    """Lock the session's row and check that `completion_id` (if any) is one of its
+    completions. The lock orders concurrent reward writes to one session (Postgres), so a
+    check-then-insert inside the transaction cannot race another."""
+    if await s.get(SessionRow, session_id, with_for_update=True) is None:
+        raise session_not_found(session_id)
+    if completion_id is None:
+        return
+    owner = await s.scalar(
+        select(CompletionRow.session_id).where(CompletionRow.id == completion_id)
+    )
+    if owner != session_id:
+        raise NotFoundError(
+            f"session {session_id!r} has no completion {completion_id!r}: use the id of a "
+            "completion returned to this session, or omit it for the final reward"
+        )
 
 
 async def add_reward(
@@ -21,22 +45,9 @@ async def add_reward(
     key: str | None = None,
 ) -> bool:
     """See `Store.add_reward`."""
-    if not math.isfinite(value):
-        raise ValueError(f"a reward must be a finite number, got {value}")
+    _check_finite(value)
     async with db.write() as s:
-        # The session row lock orders concurrent rewards for one session (Postgres), so the
-        # key check below cannot race another insert of the same key.
-        if await s.get(SessionRow, session_id, with_for_update=True) is None:
-            raise session_not_found(session_id)
-        if completion_id is not None:
-            owner = await s.scalar(
-                select(CompletionRow.session_id).where(CompletionRow.id == completion_id)
-            )
-            if owner != session_id:
-                raise NotFoundError(
-                    f"session {session_id!r} has no completion {completion_id!r}: use the id "
-                    "of a completion returned to this session, or omit it for a final reward"
-                )
+        await _lock_target(s, session_id, completion_id)
         if key is not None:
             held = await s.scalar(
                 select(RewardRow).where(RewardRow.session_id == session_id, RewardRow.key == key)
@@ -67,20 +78,9 @@ async def set_reward(
     """Set a turn's (or, with no `completion_id`, the episode's final) reward by hand: every
     reward held for that target is replaced by this one value, under the key `manual:<target>`,
     in one transaction. Other targets' rewards are untouched."""
-    if not math.isfinite(value):
-        raise ValueError(f"a reward must be a finite number, got {value}")
+    _check_finite(value)
     async with db.write() as s:
-        if await s.get(SessionRow, session_id, with_for_update=True) is None:
-            raise session_not_found(session_id)
-        if completion_id is not None:
-            owner = await s.scalar(
-                select(CompletionRow.session_id).where(CompletionRow.id == completion_id)
-            )
-            if owner != session_id:
-                raise NotFoundError(
-                    f"session {session_id!r} has no completion {completion_id!r}: use one of "
-                    "its completion ids, or omit it to set the final reward"
-                )
+        await _lock_target(s, session_id, completion_id)
         target = (
             RewardRow.completion_id.is_(None)
             if completion_id is None
