@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gateway.cli import CLIError
@@ -96,7 +97,7 @@ def _check(args: argparse.Namespace) -> None:
         raise CLIError(f"unknown --algorithm {args.algorithm!r}; choose from {sorted(PRESETS)}")
 
 
-def _sft_progress(total: int):  # type: ignore[no-untyped-def]
+def _sft_progress(total: int) -> Callable[[int, float], None]:
     every = max(1, total // 5)
 
     def report(step: int, nll: float) -> None:

@@ -129,7 +129,8 @@ class Agents:
         version = self.version()
         reward = grade(problem, text)
         key = {"Authorization": f"Bearer {s['api_key']}"}
-        (await http.post(f"/sessions/{s['id']}/reward", json={"reward": reward}, headers=key))
+        r = await http.post(f"/sessions/{s['id']}/reward", json={"reward": reward}, headers=key)
+        r.raise_for_status()
         (await http.post(f"/sessions/{s['id']}/end", headers=key)).raise_for_status()
         t = time.perf_counter() - self._t0
         self.on_episode(Episode(t, reward, version, tokens, problem.id))
