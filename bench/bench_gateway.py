@@ -281,9 +281,18 @@ def main() -> None:
         "git archive COMMIT | tar -x -C DIR",
     )
     ap.add_argument("--repeat", type=int, default=1, help="runs per row; the median is shown")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads of the engine on both sides (the direct engine's process, and the "
+        "gateway's engine process via --engine-threads); default: torch's and serve's defaults",
+    )
     args = ap.parse_args()
 
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from engines.tiny_model import tiny_model_dir
 
@@ -297,6 +306,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {"engine in-process": []}
     for name, _, checkout in variants:
         runs[f"gateway, {name}" if args.gateway or checkout else name] = []
+    threads = ["--engine-threads", str(args.threads)] if args.threads else []
     for _ in range(args.repeat):
         runs["engine in-process"].append(
             asyncio.run(direct(model_dir, args.clients, args.requests, args.max_tokens))
@@ -305,7 +315,7 @@ def main() -> None:
             runs[key].append(
                 through_gateway(
                     model_dir, args.clients, args.requests, args.max_tokens, args.database_url,
-                    serve_args.split(), checkout,
+                    [*serve_args.split(), *threads], checkout,
                 )
             )  # fmt: skip
     rows = []
@@ -327,7 +337,7 @@ def main() -> None:
     print(
         f"\nclients {args.clients} x {args.requests} requests, {args.max_tokens} tokens each, "
         f"model {args.model_size}, store {store}; torch {torch.__version__}, "
-        f"{os.cpu_count()} cores\n"
+        f"{os.cpu_count()} cores, {torch.get_num_threads()} engine threads\n"
     )
     print(
         "| path | p50 ms | p99 ms | mean ms | tokens/s | requests/s | added p50 ms | ratio "

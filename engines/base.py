@@ -106,10 +106,18 @@ class GenerateRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=_new_request_id)
+    stream_interval: int = 1
+    """The engine may hold sampled tokens back until this many are ready and deliver them as one
+    chunk (the first token, the last chunk, an abort and an error are never held back). A
+    consumer that wants only the whole output (a non-streaming request) asks for a large interval
+    and gets a few chunks instead of one per token, with the same tokens, logprobs and versions.
+    An engine may deliver more often (vLLM and SGLang servers batch by their own settings)."""
 
     def validate(self) -> None:
         if not self.prompt_ids:
             raise EmptyPromptError()
+        if self.stream_interval < 1:
+            raise InvalidSamplingError(f"stream_interval must be >= 1, got {self.stream_interval}")
         self.sampling.validate()
 
 
@@ -140,6 +148,19 @@ class TokenChunk:
     finish_reason: FinishReason | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     """Per token, the (token id, logprob) pairs of the k most likely tokens, most likely first."""
+
+
+def join_chunks(chunks: list[TokenChunk]) -> TokenChunk:
+    """Consecutive chunks of one request as one (the finish reason is the last chunk's)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return TokenChunk(
+        tuple(t for c in chunks for t in c.token_ids),
+        tuple(lp for c in chunks for lp in c.logprobs),
+        tuple(v for c in chunks for v in c.versions),
+        chunks[-1].finish_reason,
+        tuple(top for c in chunks for top in c.top_logprobs),
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from engines.base import (
     TokenChunk,
     WeightUpdate,
     check_request,
+    join_chunks,
 )
 from engines.errors import (
     EngineUnavailableError,
@@ -106,6 +107,8 @@ class _Seq:
     consumer: Consumer
     slot: int = -1
     done: bool = False
+    held: list[TokenChunk] = field(default_factory=list)
+    """Sampled chunks not yet delivered (`GenerateRequest.stream_interval`)."""
 
     @property
     def num_new(self) -> int:
@@ -428,7 +431,11 @@ class LocalEngine:
                 finish = FinishReason.LENGTH
             n_top = sps[b].top_logprobs
             top = (tuple(zip(top_ids[b][:n_top], tops[b][:n_top], strict=True)),) if n_top else ()
-            out.put(seq, TokenChunk((tok,), (lp,), (version,), finish, top))
+            seq.held.append(TokenChunk((tok,), (lp,), (version,), finish, top))
+            first = seq.num_new == 1  # never held: the consumer times the first token
+            if first or finish is not None or len(seq.held) >= seq.request.stream_interval:
+                out.put(seq, join_chunks(seq.held))
+                seq.held.clear()
             if finish is not None:
                 self._finish(seq, finish, out, announce=False)
 
@@ -439,7 +446,8 @@ class LocalEngine:
         with self._cv:
             self._live.pop(seq.request.request_id, None)
         if announce:
-            out.put(seq, TokenChunk((), (), (), reason))
+            out.put(seq, join_chunks([*seq.held, TokenChunk((), (), (), reason)]))
+            seq.held.clear()
 
     def _compact(self) -> None:
         """Drop finished sequences; the last live ones move into the freed slots."""

@@ -72,11 +72,12 @@ _Item = TokenChunk | BaseException
 
 
 def default_threads() -> int:
-    """Torch threads for the engine process: every core this process may use. The gateway's
-    event loop needs little CPU once the engine has its own GIL (about 2 ms per request); on 2
-    cores, 2 engine threads measured 0.99x the direct engine's throughput, 1 thread 0.76x
-    (BENCHMARKS.md)."""
-    return len(os.sched_getaffinity(0))
+    """Torch threads for the engine process: every core this process may use but one, which is
+    left to the gateway's event loop (HTTP, chat templates, the commit). On 2 idle cores the
+    engine with 1 thread gave the gateway 1.46x the throughput it had with 2 threads on the tiny
+    model (64 clients) and 1.10x on the demo model; with 2 threads the engine's threads and the
+    event loop take turns on the cores (BENCHMARKS.md)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 @dataclass(eq=False, slots=True)

@@ -80,18 +80,31 @@ def sampling_params(body: Any, max_new: int | None, top_logprobs: int) -> Sampli
     )
 
 
+WHOLE_OUTPUT_INTERVAL = 16
+"""`GenerateRequest.stream_interval` of a non-streaming request: its response waits for the whole
+output, so the engine hands tokens over 16 at a time instead of one message per token (as the
+vLLM adapter's `stream_interval`). A stop string is still seen in the chunk that completes it."""
+
+
 def choice_requests(
-    sp: SamplingParams, prompt: list[int], n: int, session_id: str | None = None
+    sp: SamplingParams,
+    prompt: list[int],
+    n: int,
+    session_id: str | None = None,
+    *,
+    stream: bool = True,
 ) -> list[GenerateRequest]:
     """n engine requests; with a seed, choice i uses seed + i so choices differ but reproduce.
-    A session's request ids start with "{session_id}/", which a router uses for affinity."""
+    A session's request ids start with "{session_id}/", which a router uses for affinity.
+    `stream=False`: the caller wants whole outputs (see `WHOLE_OUTPUT_INTERVAL`)."""
     out = []
+    interval = 1 if stream else WHOLE_OUTPUT_INTERVAL
     for i in range(n):
         seed = None if sp.seed is None else sp.seed + i
         params = SamplingParams(
             **{**{f: getattr(sp, f) for f in sp.__dataclass_fields__}, "seed": seed}
         )
-        req = GenerateRequest(prompt_ids=tuple(prompt), sampling=params)
+        req = GenerateRequest(prompt_ids=tuple(prompt), sampling=params, stream_interval=interval)
         if session_id is not None:
             req = replace(req, request_id=f"{session_id}/{req.request_id}")
         out.append(req)
@@ -159,7 +172,9 @@ class ChatService:
                         holdback=[TOOL_CALL_OPEN] if inputs.parse_tools else [],
                     ),
                 )
-                for i, req in enumerate(choice_requests(sp, prompt, body.n, session_id))
+                for i, req in enumerate(
+                    choice_requests(sp, prompt, body.n, session_id, stream=bool(body.stream))
+                )
             ]
         except BaseException:
             if plan is not None and self.recorder is not None:

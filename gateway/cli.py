@@ -93,7 +93,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve.add_argument(
         "--engine-threads",
         type=int,
-        help="torch threads of the engine process (default: all cores)",
+        help="torch threads of the engine process (default: every core but one)",
     )
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     serve.add_argument(

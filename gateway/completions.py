@@ -75,7 +75,9 @@ class CompletionService:
             for prompt in prompts_of(body, self.renderer):
                 plan = await self._plan(prompt, session_id, body.n)
                 groups.append((prompt, plan, []))
-                for req in choice_requests(sp, prompt, body.n, session_id):
+                for req in choice_requests(
+                    sp, prompt, body.n, session_id, stream=bool(body.stream)
+                ):
                     groups[-1][2].append(
                         ChoiceRun(
                             index=len(groups[-1][2]) + (len(groups) - 1) * body.n,

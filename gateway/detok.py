@@ -2,7 +2,10 @@
 
 Decoding the whole output after every token is quadratic; this keeps two offsets (as vLLM does):
 text is decoded from `prefix` to the end and compared with the text up to `read`, and a delta is
-released only when it does not end in an incomplete UTF-8 character.
+released only when it does not end in an incomplete UTF-8 character. With a fast (Rust)
+tokenizer that does no clean-up of tokenization spaces, it decodes with the Rust tokenizer
+directly: the same text, without transformers' per-call Python (4 us -> 1 us a call, two calls a
+token).
 """
 
 from __future__ import annotations
@@ -22,8 +25,13 @@ class IncrementalDecoder:
         self._prefix = 0
         self._read = 0
         self._watch = [*stop_strings, *holdback]
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        plain = getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+        self._backend = backend if plain else None
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return str(self._backend.decode(ids, skip_special_tokens=True))
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def push(self, token_id: int) -> None:

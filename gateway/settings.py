@@ -32,7 +32,7 @@ class GatewaySettings(BaseSettings):
     """Run the local engine in a process of its own (its own GIL: the gateway's Python work does
     not slow its decode steps); false keeps it in the gateway's process."""
     engine_threads: int | None = Field(None, ge=1)
-    """Torch threads of the engine process; default: every core this process may use."""
+    """Torch threads of the engine process; default: every core this process may use but one."""
     max_model_len: int | None = Field(None, ge=16)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Requests with a larger body get 413."""

@@ -13,6 +13,9 @@ transaction holding its records committed.
 from __future__ import annotations
 
 import asyncio
+from functools import partial
+
+from sqlalchemy.engine import Connection
 
 from store.db import Database
 from store.turns import check_records, write_records
@@ -40,9 +43,9 @@ class GroupCommitter:
     async def _run(self) -> None:
         while self._pending:
             jobs, self._pending = self._pending, []
+            group = [r for records, _ in jobs for r in records]
             try:  # the common case: everything commits, without a savepoint per caller
-                async with self.db.write() as s:
-                    await write_records(s, [r for records, _ in jobs for r in records])
+                await self.db.write_sync(partial(write_records, records=group))
             except Exception:
                 errors = await self._isolated(jobs)
             else:
@@ -58,14 +61,17 @@ class GroupCommitter:
     async def _isolated(self, jobs: list[_Job]) -> list[BaseException | None]:
         """Retry a failed group with a SAVEPOINT per caller, so only the failing ones fail."""
         errors: list[BaseException | None] = [None] * len(jobs)
+
+        def each_in_a_savepoint(s: Connection) -> None:
+            for i, (records, _) in enumerate(jobs):
+                try:
+                    with s.begin_nested():
+                        write_records(s, records)
+                except Exception as exc:  # this caller's failure, isolated
+                    errors[i] = exc
+
         try:
-            async with self.db.write() as s:
-                for i, (records, _) in enumerate(jobs):
-                    try:
-                        async with s.begin_nested():
-                            await write_records(s, records)
-                    except Exception as exc:  # this caller's failure, isolated
-                        errors[i] = exc
+            await self.db.write_sync(each_in_a_savepoint)
         except BaseException as exc:  # the transaction itself failed: everyone hears it
             errors = [e or exc for e in errors]
         return errors

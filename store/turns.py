@@ -6,9 +6,9 @@ transaction and checks each turn against the segment's current length, so a segm
 left half-extended or extended from a stale prefix.
 
 This is the gateway's hot path (every response waits for it), so it is written as a few
-set-based Core statements rather than through the ORM's unit of work, and their number does not
-grow with the batch: a group commit of 64 single-turn requests costs six statements and the
-commit, as one request does.
+set-based Core statements, built once at import (lists bind as expanding parameters) and run on a
+plain Connection rather than through the ORM, and their number does not grow with the batch: a
+group commit of 64 single-turn requests costs six statements and the commit, as one request does.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, CursorResult, Table, bindparam, insert, or_, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import CursorResult, Table, bindparam, insert, or_, select, update
+from sqlalchemy.engine import Connection
 
 from store.arrays import decode_i32, encode_f32, encode_i32
 from store.db import Database, utcnow
@@ -69,24 +69,25 @@ async def record_completions(db: Database, records: list[CompletionRecord]) -> N
     check_records(records)
     if not records:
         return
-    async with db.write() as s:
-        await write_records(s, records)
+    await db.write_sync(lambda conn: write_records(conn, records))
 
 
-async def write_records(s: AsyncSession, records: list[CompletionRecord]) -> None:
+def write_records(s: Connection, records: list[CompletionRecord]) -> None:
     """The writes of `record_completions` inside the caller's transaction (checked records).
 
     The records may span many requests and sessions (the group committer passes a whole group):
-    the statements are set-based, at most seven per call however many records it holds.
+    the statements are set-based, at most seven per call however many records it holds. It is
+    synchronous so that on SQLite a whole transaction is one call to the writer thread
+    (`Database.write_sync`).
     """
     ids = [r.id for r in records]
     now = utcnow()
-    next_turn = await _claim_turns(s, records)
-    taken = list(await s.scalars(select(CompletionRow.id).where(CompletionRow.id.in_(ids))))
+    next_turn = _claim_turns(s, records)
+    taken = list(s.scalars(_TAKEN_IDS, {"ids": ids}))
     if taken:
         raise ConflictError(f"completion ids already recorded: {taken}; ids must be unique")
 
-    stored = await _stored_segments(s, records)
+    stored = _stored_segments(s, records)
     segments: dict[str, _Segment] = {}
     rows: list[dict[str, Any]] = []
     for record in records:
@@ -106,7 +107,7 @@ async def write_records(s: AsyncSession, records: list[CompletionRecord]) -> Non
 
     opened = [seg for seg in segments.values() if seg.stored_length is None]
     if opened:
-        await s.execute(
+        s.execute(
             insert(_SEGMENTS),
             [
                 dict(
@@ -122,7 +123,7 @@ async def write_records(s: AsyncSession, records: list[CompletionRecord]) -> Non
         )
     extended = [seg for seg in segments.values() if seg.stored_length is not None]
     if extended:
-        moved: CursorResult[Any] = await s.execute(  # type: ignore[assignment]
+        moved: CursorResult[Any] = s.execute(
             _EXTEND_SEGMENT,
             [
                 {
@@ -136,7 +137,7 @@ async def write_records(s: AsyncSession, records: list[CompletionRecord]) -> Non
         )
         if moved.supports_sane_multi_rowcount():
             assert moved.rowcount == len(extended), "a segment changed under its session's lock"
-    await s.execute(insert(_COMPLETIONS), rows)
+    s.execute(insert(_COMPLETIONS), rows)
 
 
 _SESSIONS = cast(Table, SessionRow.__table__)
@@ -148,6 +149,30 @@ _CLAIM_TURNS = (
     .where(_SESSIONS.c.id == bindparam("_id"))
     .values(turn_count=bindparam("_turns"), prefix_breaks=bindparam("_breaks"))
 )
+_CLAIM_SESSIONS = (
+    select(_SESSIONS.c.id, _SESSIONS.c.turn_count, _SESSIONS.c.prefix_breaks, _SESSIONS.c.ended_at)
+    .where(_SESSIONS.c.id.in_(bindparam("ids", expanding=True)))
+    .order_by(_SESSIONS.c.id)
+    .with_for_update()
+)
+_TAKEN_IDS = select(_COMPLETIONS.c.id).where(
+    _COMPLETIONS.c.id.in_(bindparam("ids", expanding=True))
+)
+_STORED_COLUMNS = (
+    _SEGMENTS.c.id,
+    _SEGMENTS.c.session_id,
+    _SEGMENTS.c.position,
+    _SEGMENTS.c.length,
+)
+_STORED_OF_SESSIONS = select(*_STORED_COLUMNS).where(
+    _SEGMENTS.c.session_id.in_(bindparam("sessions", expanding=True))
+)
+_STORED_OF_SESSIONS_OR_IDS = select(*_STORED_COLUMNS).where(
+    or_(
+        _SEGMENTS.c.session_id.in_(bindparam("sessions", expanding=True)),
+        _SEGMENTS.c.id.in_(bindparam("ids", expanding=True)),
+    )
+)
 _EXTEND_SEGMENT = (
     update(_SEGMENTS)
     .where(_SEGMENTS.c.id == bindparam("_id"), _SEGMENTS.c.length == bindparam("_stored"))
@@ -158,24 +183,14 @@ _EXTEND_SEGMENT = (
 )
 
 
-async def _claim_turns(s: AsyncSession, records: list[CompletionRecord]) -> dict[str, int]:
+def _claim_turns(s: Connection, records: list[CompletionRecord]) -> dict[str, int]:
     """Lock the records' sessions and take their next turn numbers; returns each session's
     first new turn. The sessions are locked (`FOR UPDATE` on PostgreSQL; SQLite's write
     transaction locks the database) in id order, so concurrent batches lock in one order."""
     per_session = Counter(r.session_id for r in records)
     breaks = Counter(r.session_id for r in records if r.prefix_break)
     session_ids = sorted(per_session)
-    found = {
-        row.id: row
-        for row in await s.execute(
-            select(
-                SessionRow.id, SessionRow.turn_count, SessionRow.prefix_breaks, SessionRow.ended_at
-            )
-            .where(SessionRow.id.in_(session_ids))
-            .order_by(SessionRow.id)
-            .with_for_update()
-        )
-    }
+    found = {row.id: row for row in s.execute(_CLAIM_SESSIONS, {"ids": session_ids})}
     for session_id in session_ids:
         row = found.get(session_id)
         if row is None:
@@ -185,7 +200,7 @@ async def _claim_turns(s: AsyncSession, records: list[CompletionRecord]) -> dict
                 f"session {session_id!r} has ended: no more turns can be recorded; "
                 "create a new session to continue"
             )
-    await s.execute(
+    s.execute(
         _CLAIM_TURNS,
         [
             {
@@ -213,19 +228,15 @@ class _StoredSegments:
     by_position: dict[tuple[str, int], _Stored]
 
 
-async def _stored_segments(s: AsyncSession, records: list[CompletionRecord]) -> _StoredSegments:
+def _stored_segments(s: Connection, records: list[CompletionRecord]) -> _StoredSegments:
     """Every stored segment the records may touch or clash with: those of their sessions, and
     any holding an id that a record opens. One indexed query."""
-    session_ids = {r.session_id for r in records}
-    opened_ids = {r.segment_id for r in records if r.opens_segment}
-    condition: ColumnElement[bool] = SegmentRow.session_id.in_(session_ids)
+    session_ids = sorted({r.session_id for r in records})
+    opened_ids = sorted({r.segment_id for r in records if r.opens_segment})
     if opened_ids:
-        condition = or_(condition, SegmentRow.id.in_(opened_ids))
-    result = await s.execute(
-        select(SegmentRow.id, SegmentRow.session_id, SegmentRow.position, SegmentRow.length).where(
-            condition
-        )
-    )
+        result = s.execute(_STORED_OF_SESSIONS_OR_IDS, {"sessions": session_ids, "ids": opened_ids})
+    else:
+        result = s.execute(_STORED_OF_SESSIONS, {"sessions": session_ids})
     rows = [_Stored(*row) for row in result]
     return _StoredSegments(
         by_id={row.id: row for row in rows},

@@ -412,8 +412,9 @@ async def test_a_turn_costs_a_few_statements_and_a_burst_no_more(store: Store) -
         if not statement.lstrip().upper().startswith(("BEGIN", "COMMIT", "PRAGMA")):
             statements.append(statement)
 
-    sync_engine = store._db.engine.sync_engine
-    event.listen(sync_engine, "before_cursor_execute", seen)
+    engines = store._db.sync_engines
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", seen)
     try:
         first = [rec(f"{sids[0]}-0", sids[0], 0, prompt=[1, 2], prefix_len=0, output=[3],
                      opens=True)]  # fmt: skip
@@ -435,7 +436,8 @@ async def test_a_turn_costs_a_few_statements_and_a_burst_no_more(store: Store) -
         )
         burst = len(statements)
     finally:
-        event.remove(sync_engine, "before_cursor_execute", seen)
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", seen)
     assert opening <= 6, statements
     assert extending <= 7, statements
     if store.url.startswith("sqlite"):

@@ -230,6 +230,47 @@ async def test_abort_one_request_leaves_the_others_running(engine: LocalEngine) 
     assert len((await other).token_ids) == 60
 
 
+async def test_a_stream_interval_batches_chunks_and_changes_no_token(
+    shared_engine: LocalEngine,
+) -> None:
+    """Held-back tokens arrive in chunks of the interval (the first token at once, the rest with
+    the finish), and tokens, logprobs, versions and top logprobs are those of interval 1."""
+    sampling = SamplingParams(seed=7, max_new_tokens=40, ignore_eos=True, top_logprobs=2)
+
+    async def chunks(interval: int) -> list[Any]:
+        request = GenerateRequest(
+            prompt_ids=tuple(PROMPTS[0]), sampling=sampling, stream_interval=interval
+        )
+        return [c async for c in shared_engine.generate(request)]
+
+    each, held = await chunks(1), await chunks(16)
+    assert [len(c.token_ids) for c in each] == [1] * 40
+    assert [len(c.token_ids) for c in held] == [1, 16, 16, 7]
+    assert [c.finish_reason for c in held] == [None, None, None, FinishReason.LENGTH]
+    for field in ("token_ids", "logprobs", "versions", "top_logprobs"):
+        assert [x for c in held for x in getattr(c, field)] == [
+            x for c in each for x in getattr(c, field)
+        ]
+
+
+async def test_an_abort_delivers_the_tokens_held_back(engine: LocalEngine) -> None:
+    request = GenerateRequest(
+        prompt_ids=tuple(PROMPTS[1]),
+        sampling=SamplingParams(seed=1, max_new_tokens=400, ignore_eos=True),
+        stream_interval=1000,
+    )
+    stream = engine.generate(request)
+    first = await anext(stream)
+    while (await engine.health()).running and engine.stats.decode_steps < 10:
+        await asyncio.sleep(0.005)
+    await engine.abort(request.request_id)
+    rest = [c async for c in stream]
+    assert len(first.token_ids) == 1
+    assert len(rest) == 1
+    assert rest[0].finish_reason is FinishReason.ABORT
+    assert len(rest[0].token_ids) >= 9  # every token sampled before the abort, none lost
+
+
 async def test_closing_the_stream_early_aborts_the_request(engine: LocalEngine) -> None:
     stream = engine.generate(req(PROMPTS[1], max_new_tokens=400, ignore_eos=True))
     async for _chunk in stream:
@@ -335,6 +376,11 @@ async def test_bad_weight_updates_are_refused_and_change_nothing(
         (req([1, 2], temperature=-1), InvalidSamplingError, "temperature"),
         (req([1, 2], top_p=0.0), InvalidSamplingError, "top_p"),
         (req([1, 2], top_k=-1), InvalidSamplingError, "top_k"),
+        (
+            GenerateRequest(prompt_ids=(1, 2), stream_interval=0),
+            InvalidSamplingError,
+            "stream_interval",
+        ),
         (req([1, 2], max_new_tokens=0), InvalidSamplingError, "max_new_tokens"),
         (req([1, 2], max_new_tokens=2, min_new_tokens=3), InvalidSamplingError, "min_new"),
         (req([1, 10**6]), TokenOutOfRangeError, "outside the vocabulary"),
