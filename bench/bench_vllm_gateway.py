@@ -121,7 +121,9 @@ def start_gateway(model_dir: Path, vllm_url: str, tmp: Path) -> tuple[subprocess
     cmd += ["--model", str(model_dir), "--database-url", f"sqlite:///{tmp / 'bench.db'}"]
     cmd += ["--engine", "vllm", "--engine-url", vllm_url, "--log-level", "warning"]
     with open(tmp / "serve.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     return proc, f"http://127.0.0.1:{port}"
 
 
