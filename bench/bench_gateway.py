@@ -143,11 +143,16 @@ def through_gateway(
             base = f"http://127.0.0.1:{port}"
             return asyncio.run(_gateway_clients(base, tmp, clients, requests, max_tokens, proc.pid))
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, and SIGKILL after 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 async def _gateway_clients(

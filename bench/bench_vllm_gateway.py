@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_gateway import ADMIN, _Conn, _free_port, _median_run, _pct, _prompts
+from bench_gateway import (
+    ADMIN,
+    _Conn,
+    _free_port,
+    _median_run,
+    _pct,
+    _prompts,
+    stop_server,
+)
 
 
 def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
@@ -227,11 +234,7 @@ async def _vllm_part(
                 for name, r in zip(PATHS, (direct, recorded, plain), strict=True):
                     runs[name].append(r)
         finally:
-            gateway.send_signal(signal.SIGTERM)
-            try:
-                gateway.wait(30)
-            except subprocess.TimeoutExpired:
-                gateway.kill()
+            stop_server(gateway)
         engine = await VLLMEngine.connect(VLLMEngineConfig(url=server.url))
         try:
             vllm_tps = await engine_tokens_per_s(engine, args.clients, args.engine_tokens)
