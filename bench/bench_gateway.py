@@ -141,7 +141,7 @@ def through_gateway(
         )
         try:
             base = f"http://127.0.0.1:{port}"
-            return asyncio.run(_gateway_clients(base, tmp, clients, requests, max_tokens, proc.pid))
+            return asyncio.run(_gateway_clients(base, tmp, clients, requests, max_tokens, proc))
         finally:
             stop_server(proc)
 
@@ -155,20 +155,34 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
-async def _gateway_clients(
-    base: str, tmp: Path, clients: int, requests: int, max_tokens: int, pid: int
-) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
+async def wait_healthy(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
+    """Until the gateway at `base` answers /health; RuntimeError if it exits or takes 2 min."""
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         for _ in range(600):
             try:
                 if (await http.get("/health")).status_code == 200:
-                    break
+                    return
             except httpx.TransportError:
                 pass
+            if proc.poll() is not None:
+                break
             await asyncio.sleep(0.2)
-        else:
-            raise RuntimeError((tmp / "serve.log").read_text()[-2000:])
+    proc.kill()
+    raise RuntimeError(f"the gateway did not start; see {log}")
+
+
+async def _gateway_clients(
+    base: str,
+    tmp: Path,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    proc: subprocess.Popen[bytes],
+) -> dict[str, Any]:
+    pid = proc.pid
+    await wait_healthy(proc, base, tmp / "serve.log")
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
         auth = {"Authorization": f"Bearer {ADMIN}"}
         run = (await http.post("/runs", json={"name": "bench"}, headers=auth)).json()
         total = clients * requests + 1

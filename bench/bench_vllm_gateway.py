@@ -38,6 +38,7 @@ from bench_gateway import (
     _pct,
     _prompts,
     stop_server,
+    wait_healthy,
 )
 
 
@@ -132,21 +133,6 @@ def start_gateway(model_dir: Path, vllm_url: str, tmp: Path) -> tuple[subprocess
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     return proc, f"http://127.0.0.1:{port}"
-
-
-async def wait_healthy(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
-    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-        for _ in range(600):
-            try:
-                if (await http.get("/health")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None:
-                break
-            await asyncio.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"the gateway did not start; see {log}")
 
 
 async def new_sessions(base: str, count: int) -> list[dict[str, Any]]:

