@@ -31,8 +31,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-import httpx
-
 from engines.base import (
     EngineHealth,
     FinishReason,
@@ -48,6 +46,7 @@ from engines.errors import (
     TokenOutOfRangeError,
     WeightUpdateError,
 )
+from engines.http import EngineHTTP
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +94,13 @@ class RemoteEngine(abc.ABC):
         version: int = 0,
         vocab_size: int | None = None,
         timeout: float = 600.0,
+        http: EngineHTTP | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.http = httpx.AsyncClient(
-            base_url=self.url,
-            timeout=httpx.Timeout(timeout, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
+        self.http = http if http is not None else EngineHTTP(self.url, timeout=timeout)
+        """The connection pool to the server (`connect` hands over the one it asked with)."""
         self._version = version
         self._gate = asyncio.Event()
         self._gate.set()
@@ -231,7 +228,7 @@ class RemoteEngine(abc.ABC):
             return
         live.aborted = True
         if live.sub_id is not None:
-            with contextlib.suppress(httpx.HTTPError):
+            with contextlib.suppress(EngineUnavailableError):
                 await self._abort_sub(live.sub_id)
 
     async def pause(self) -> None:
@@ -282,8 +279,8 @@ class RemoteEngine(abc.ABC):
     async def health(self) -> EngineHealth:
         try:
             ok, running, waiting, detail = await self._probe()
-        except httpx.HTTPError as exc:
-            ok, running, waiting, detail = False, 0, 0, f"unreachable: {exc!r}"
+        except EngineUnavailableError as exc:
+            ok, running, waiting, detail = False, 0, 0, str(exc)
         return EngineHealth(
             ok=ok and not self._closed,
             paused=not self._gate.is_set(),
@@ -300,38 +297,8 @@ class RemoteEngine(abc.ABC):
         self._gate.set()  # wake waiters, who then see `_closed`
         for request_id in list(self._live):
             await self.abort(request_id)
-        await self.http.aclose()
+        await self.http.close()
 
     @property
     def live_requests(self) -> int:
         return len(self._live)
-
-
-async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
-    """The `data:` payloads of a server-sent-event stream, `[DONE]` included.
-
-    Split on b"\n" only: JSON never holds a raw newline byte, but the generated text in it may
-    hold other characters that `str.splitlines` (and so `aiter_lines`) takes for line breaks,
-    such as U+2028 or U+0085, which a random model emits.
-    """
-    buf = b""
-    async for part in response.aiter_bytes():
-        buf += part
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            if line.startswith(b"data:"):
-                yield line[5:].strip().decode()
-
-
-def raise_for_status(response: httpx.Response, what: str) -> None:
-    """4xx -> `InvalidRequestError` with the server's message; 5xx -> `EngineUnavailableError`."""
-    if response.status_code < 400:
-        return
-    text = response.text[:500]
-    if 400 <= response.status_code < 500:
-        raise InvalidRequestError(f"{what}: the server refused it ({response.status_code}): {text}")
-    raise EngineUnavailableError(f"{what}: server error {response.status_code}: {text}")
-
-
-def transport_error(url: str, exc: httpx.TransportError) -> EngineUnavailableError:
-    return EngineUnavailableError(f"the engine server at {url} is unreachable: {exc!r}")

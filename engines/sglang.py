@@ -20,11 +20,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from engines.base import FinishReason, SamplingParams, WeightUpdate
 from engines.errors import EngineUnavailableError, WeightUpdateError
-from engines.remote import Piece, RemoteEngine, raise_for_status, sse_data, transport_error
+from engines.http import EngineHTTP, Reply, raise_for_status
+from engines.remote import Piece, RemoteEngine
 
 _FINISH = {
     "stop": FinishReason.STOP,
@@ -49,26 +48,27 @@ class SGLangEngine(RemoteEngine):
 
     @classmethod
     async def connect(cls, config: SGLangEngineConfig) -> SGLangEngine:
-        url = config.url.rstrip("/")
+        http = EngineHTTP(config.url, timeout=config.timeout)
         try:
-            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-                info = await http.get("/model_info")
-                raise_for_status(info, "GET /model_info")
-                max_len = config.max_model_len
-                if max_len is None:
-                    server = await http.get("/server_info")
-                    raise_for_status(server, "GET /server_info")
-                    max_len = int(server.json()["context_length"])
-        except httpx.TransportError as exc:
-            raise transport_error(url, exc) from exc
+            info = await http.get("/model_info", within=30)
+            raise_for_status(info, "GET /model_info")
+            max_len = config.max_model_len
+            if max_len is None:
+                server = await http.get("/server_info", within=30)
+                raise_for_status(server, "GET /server_info")
+                max_len = int(server.json()["context_length"])
+        except BaseException:
+            await http.close()
+            raise
         label = str(info.json().get("weight_version", ""))
         version = int(label) if label.isdigit() else 0
         return cls(
-            url,
+            config.url,
             max_model_len=max_len,
             version=version,
             vocab_size=config.vocab_size,
             timeout=config.timeout,
+            http=http,
         )
 
     # -- generation ---------------------------------------------------------------------------
@@ -104,33 +104,27 @@ class SGLangEngine(RemoteEngine):
         body = self._body(sub_id, prompt, sampling)
         k = sampling.top_logprobs
         seen = 0
-        try:
-            async with self.http.stream("POST", "/generate", json=body) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise_for_status(response, "POST /generate")
-                async for data in sse_data(response):
-                    if data == "[DONE]":
-                        return
-                    event = json.loads(data)
-                    if "error" in event:
-                        raise EngineUnavailableError(f"SGLang stream error: {event['error']}")
-                    piece = _piece(event["meta_info"], seen, k)
-                    seen += len(piece.token_ids)
-                    yield piece
-        except httpx.TransportError as exc:
-            raise transport_error(self.url, exc) from exc
+        async with self.http.stream("/generate", body) as response:
+            if response.status >= 400:
+                raise_for_status(await response.read(), "POST /generate")
+            # Read on past [DONE] to the end of the body, so the connection is kept for reuse.
+            async for data in response.events():
+                if data == "[DONE]":
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    raise EngineUnavailableError(f"SGLang stream error: {event['error']}")
+                piece = _piece(event["meta_info"], seen, k)
+                seen += len(piece.token_ids)
+                yield piece
 
     async def _abort_sub(self, sub_id: str) -> None:
         await self.http.post("/abort_request", json={"rid": sub_id})
 
     # -- control ------------------------------------------------------------------------------
 
-    async def _post(self, path: str, what: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = await self.http.post(path, **kwargs)
-        except httpx.TransportError as exc:
-            raise transport_error(self.url, exc) from exc
+    async def _post(self, path: str, what: str, **kwargs: Any) -> Reply:
+        response = await self.http.post(path, **kwargs)
         raise_for_status(response, what)
         return response
 
@@ -158,18 +152,18 @@ class SGLangEngine(RemoteEngine):
     async def _flush_cache(self) -> None:
         for _ in range(100):  # 400 while requests are still running or waiting
             r = await self.http.post("/flush_cache")
-            if r.status_code == 200:
+            if r.status == 200:
                 return
             await asyncio.sleep(0.05)
         raise WeightUpdateError("SGLang kept refusing to flush its cache")
 
     async def _probe(self) -> tuple[bool, int, int, str]:
-        health = await self.http.get("/health", timeout=10)
-        if health.status_code != 200:
-            return False, 0, 0, f"/health answered {health.status_code}"
-        loads = await self.http.get("/v1/loads", timeout=10)
+        health = await self.http.get("/health", within=10)
+        if health.status != 200:
+            return False, 0, 0, f"/health answered {health.status}"
+        loads = await self.http.get("/v1/loads", within=10)
         running = waiting = 0
-        if loads.status_code == 200:
+        if loads.status == 200:
             for load in loads.json().get("loads", ()):
                 running += int(load.get("num_running_reqs", 0))
                 waiting += int(load.get("num_waiting_reqs", 0))
@@ -238,13 +232,13 @@ class SGLangEngine(RemoteEngine):
             return new
 
 
-def _check_success(response: httpx.Response, what: str) -> None:
+def _check_success(response: Reply, what: str) -> None:
     """SGLang's weight endpoints answer `{"success": bool, "message": str}` (400 on failure)."""
     try:
         body = response.json()
     except ValueError:
         body = {}
-    if response.status_code != 200 or not body.get("success", False):
+    if response.status != 200 or not body.get("success", False):
         message = body.get("message") or response.text[:500]
         raise WeightUpdateError(f"{what}: SGLang said: {message}")
 

@@ -1,7 +1,8 @@
 """Start and supervise a local vLLM server with the flags and environment the adapter needs.
 
 `vllm_command` / `vllm_env` say how (`--logprobs-mode processed_logprobs` for behaviour
-logprobs, `VLLM_SERVER_DEV_MODE=1` for pause/resume/reload); `VLLMServer` runs one as a child
+logprobs, `--enable-scale-out` for the token-in/token-out route `/inference/v1/generate`,
+`VLLM_SERVER_DEV_MODE=1` for pause/resume/reload); `VLLMServer` runs one as a child
 process in a session of its own (so that stopping it stops vLLM's engine-core process too),
 waits until `GET /health` answers, restarts it when it dies (up to `max_restarts`), and stops it.
 
@@ -75,6 +76,8 @@ def vllm_command(cfg: VLLMLaunchConfig, port: int) -> list[str]:
         *("--host", cfg.host, "--port", str(port)),
         *("--dtype", cfg.dtype),
         *("--logprobs-mode", "processed_logprobs"),
+        # /inference/v1/generate: token ids in and out, nothing detokenized (engines.vllm)
+        "--enable-scale-out",
     ]
     if cfg.max_model_len is not None:
         cmd += ["--max-model-len", str(cfg.max_model_len)]

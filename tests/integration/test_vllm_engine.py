@@ -71,10 +71,13 @@ def max_gap(engine: list[float], trainer: list[float]) -> float:
 # -- the adapter alone ------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def engine(vllm_url: str) -> AsyncIterator[VLLMEngine]:
-    """The adapter connected to the session's vLLM server; closed after the test."""
-    engine = await VLLMEngine.connect(VLLMEngineConfig(url=vllm_url))
+@pytest.fixture(params=["auto", "completions"])
+async def engine(vllm_url: str, request: pytest.FixtureRequest) -> AsyncIterator[VLLMEngine]:
+    """The adapter connected to the session's vLLM server, on each generation route: "auto"
+    finds /inference/v1/generate (the launcher enables it), "completions" is /v1/completions.
+    Closed after the test."""
+    engine = await VLLMEngine.connect(VLLMEngineConfig(url=vllm_url, api=request.param))
+    assert engine.api == ("generate" if request.param == "auto" else "completions")
     yield engine
     await engine.close()
 

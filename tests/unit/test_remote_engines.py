@@ -8,8 +8,7 @@ import pytest
 from engines.base import FinishReason, GenerateRequest
 from engines.router import default_session_of
 from engines.sglang import _piece as sglang_piece
-from engines.vllm import _piece as vllm_piece
-from engines.vllm import parse_load
+from engines.vllm import _completion_piece, _generate_piece, parse_load
 from gateway.chat import choice_requests
 from gateway.cli import main
 
@@ -44,12 +43,38 @@ def test_vllm_choice_with_top_logprobs_keyed_by_token_id() -> None:
         },
         "finish_reason": None,
     }
-    piece = vllm_piece(choice, 2)
+    piece = _completion_piece(choice, 2)
     assert piece.token_ids == (7, 9)
     assert piece.logprobs == (-0.5, -1.5)
     assert piece.top_logprobs == (((7, -0.5), (3, -0.9)), ((4, -0.2), (5, -0.7)))
     assert piece.finish is None
-    last = vllm_piece({"token_ids": [], "logprobs": None, "finish_reason": "abort"}, 0)
+    last = _completion_piece({"token_ids": [], "logprobs": None, "finish_reason": "abort"}, 0)
+    assert (last.token_ids, last.finish) == ((), FinishReason.ABORT)
+
+
+def test_vllm_generate_choice_gives_the_same_piece_as_the_completion_one() -> None:
+    """`/inference/v1/generate` lists each token's candidates with ids (the sampled one first,
+    then the most likely, the sampled one not repeated); the piece is the completion route's."""
+
+    def cand(t: int, lp: float) -> dict[str, float | int]:
+        return {"token_id": t, "logprob": lp, "rank": 1}
+
+    content = [
+        {"token_id": 7, "logprob": -0.5, "top_logprobs": [cand(7, -0.5), cand(3, -0.9)]},
+        {
+            "token_id": 9,
+            "logprob": -1.5,
+            "top_logprobs": [cand(9, -1.5), cand(4, -0.2), cand(5, -0.7)],
+        },
+    ]
+    choice = {"token_ids": [7, 9], "logprobs": {"content": content}, "finish_reason": "length"}
+    piece = _generate_piece(choice, 2)
+    assert piece.token_ids == (7, 9)
+    assert piece.logprobs == (-0.5, -1.5)
+    assert piece.top_logprobs == (((7, -0.5), (3, -0.9)), ((4, -0.2), (5, -0.7)))
+    assert piece.finish == FinishReason.LENGTH
+    assert _generate_piece(choice, 0).top_logprobs == ()
+    last = _generate_piece({"token_ids": [], "logprobs": None, "finish_reason": "abort"}, 0)
     assert (last.token_ids, last.finish) == ((), FinishReason.ABORT)
 
 

@@ -41,6 +41,7 @@ async def test_start_restart_after_a_crash_and_stop(tmp_path: Path) -> None:
         argv = first["argv"]
         assert argv[argv.index("--model") + 1] == str(tiny_model)
         assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+        assert "--enable-scale-out" in argv
         assert argv[argv.index("--max-model-len") + 1] == "512"
         assert argv[-1] == "--enforce-eager"
         assert "--no-enable-chunked-prefill" not in argv  # not the CPU build: vLLM's default

