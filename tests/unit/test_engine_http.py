@@ -1,0 +1,126 @@
+"""`engines.http.EngineHTTP` against a raw HTTP/1.1 server on a loopback port that tells how each
+request arrived: connections are kept and reused once a body is read to its end, a kept-alive
+connection that the server drops before answering is retried once on a new one, server-sent
+events split on newlines only, and every transport failure is `EngineUnavailableError`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from engines.errors import EngineUnavailableError
+from engines.http import EngineHTTP
+
+
+@dataclass
+class RawServer:
+    """Answers `GET /n` with a JSON body and `POST /sse` with chunked server-sent events; with
+    `drop_second=True` it closes a connection, unanswered, when a second request arrives on it
+    (what a server whose keep-alive timer just fired does)."""
+
+    drop_second: bool = False
+    connections: int = 0
+    requests: list[tuple[int, str]] = field(default_factory=list)
+    """(connection number, request line) in arrival order."""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        conn = self.connections
+        served = 0
+        try:
+            while line := await reader.readline():
+                length = 0
+                while (header := await reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = header.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                if self.drop_second and served == 1:
+                    return  # closed, unanswered
+                served += 1
+                self.requests.append((conn, line.decode().strip()))
+                if line.startswith(b"GET"):
+                    body = json.dumps({"conn": conn}).encode()
+                    head = f"HTTP/1.1 200 OK\r\ncontent-length: {len(body)}\r\n\r\n"
+                    writer.write(head.encode() + body)
+                else:
+                    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                    # one event split across chunks, a U+2028 inside the JSON, then [DONE]
+                    for part in (
+                        b'data: {"t": "a\xe2\x80\xa8',
+                        b'b"}\n\ndata: {"t": 2}\n\n',
+                        b"data: [DONE]\n\n",
+                    ):
+                        writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                        await writer.drain()
+                    writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(server: RawServer) -> AsyncIterator[str]:
+    srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.close()
+
+
+async def test_a_connection_is_reused_after_a_stream_read_to_its_end() -> None:
+    server = RawServer()
+    async with serving(server) as url:
+        http = EngineHTTP(url)
+        try:
+            async with http.stream("/sse", {"x": 1}) as response:
+                assert response.status == 200
+                events = [e async for e in response.events()]
+            reply = await http.get("/n")
+        finally:
+            await http.close()
+    assert events == ['{"t": "a\u2028b"}', '{"t": 2}', "[DONE]"]
+    assert json.loads(events[0])["t"] == "a\u2028b"
+    assert reply.status == 200
+    assert reply.json() == {"conn": 1}
+    assert server.requests == [(1, "POST /sse HTTP/1.1"), (1, "GET /n HTTP/1.1")]
+
+
+async def test_a_kept_connection_the_server_dropped_is_retried_on_a_new_one() -> None:
+    server = RawServer(drop_second=True)
+    async with serving(server) as url:
+        http = EngineHTTP(url)
+        try:
+            assert (await http.get("/n")).json() == {"conn": 1}
+            assert (await http.get("/n")).json() == {"conn": 2}  # 1 was dropped: sent again
+            async with http.stream("/sse", {}) as response:  # 2 is dropped now: sent again
+                assert [e async for e in response.events()][-1] == "[DONE]"
+        finally:
+            await http.close()
+    assert server.requests == [
+        (1, "GET /n HTTP/1.1"),
+        (2, "GET /n HTTP/1.1"),
+        (3, "POST /sse HTTP/1.1"),
+    ]
+
+
+async def test_an_unreachable_server_is_engine_unavailable() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: connections are refused
+        http = EngineHTTP(f"http://127.0.0.1:{port}")
+        try:
+            with pytest.raises(EngineUnavailableError, match="unreachable"):
+                await http.get("/n")
+            with pytest.raises(EngineUnavailableError, match="unreachable"):
+                async with http.stream("/sse", {}):
+                    pass
+        finally:
+            await http.close()
