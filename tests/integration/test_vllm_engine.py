@@ -274,13 +274,14 @@ def swap_and_check(gateway: GatewayHandle, tiny_model: Path, vllm_url: str, tmp_
 
     backend, state = train_once(tiny_model)
     publisher = DiskPublisher(tmp_path / "weights", tiny_model, gateway.url, gateway.admin_token)
+    timings: list[str] = []
     for _ in range(TRIES):
         version = gateway.client.get("/health").json()["version"] + 1
         with concurrent.futures.ThreadPoolExecutor(LOAD) as pool:
             # Other clients keep vLLM busy, so that the gateway's request is still generating
             # when the swap lands (alone it finishes in a second or two); the swap aborts them.
             load = [pool.submit(busy_vllm, vllm_url) for _ in range(LOAD)]
-            session = stream_across_a_swap(gateway, publisher, state, version)
+            session = stream_across_a_swap(gateway, publisher, state, version, timings)
             for f in load:
                 assert f.result() in {"abort", "length"}
         [seg] = gateway.session(session["id"])["segments"]
@@ -293,7 +294,10 @@ def swap_and_check(gateway: GatewayHandle, tiny_model: Path, vllm_url: str, tmp_
         r = gateway.client.post("/admin/weights", json={"path": str(tiny_model)})
         assert r.status_code == 200, r.text
     else:
-        pytest.skip(f"vLLM finished before the swap landed, {TRIES} times (a starved machine)")
+        pytest.skip(
+            f"vLLM finished before the swap landed, {TRIES} times (a starved machine); seconds "
+            f"from the request to its first token / the swap done / its last token: {timings}"
+        )
     check_swapped_session(gateway, session, tiny_model, backend, vllm_url, version)
 
 
@@ -306,15 +310,22 @@ def busy_vllm(url: str) -> str:
 
 
 def stream_across_a_swap(
-    gateway: GatewayHandle, publisher: Any, state: dict[str, Any], version: int
+    gateway: GatewayHandle,
+    publisher: Any,
+    state: dict[str, Any],
+    version: int,
+    timings: list[str],
 ) -> dict[str, Any]:
-    """A long streamed chat; once its first token arrived, the trainer publishes `version`."""
+    """A long streamed chat; once its first token arrived, the trainer publishes `version`.
+    Appends "first token / swap done / last token" seconds to `timings`."""
     deadline = time.monotonic() + 30
     while not busy(gateway) and time.monotonic() < deadline:
         time.sleep(0.05)
     s = gateway.new_session()
     tokens_before_swap = 0
     swapped = False
+    t0 = time.monotonic()
+    marks: list[float] = []
     with client_of(s) as client:
         stream = client.chat.completions.create(
             model="tiny",
@@ -330,10 +341,14 @@ def stream_across_a_swap(
             if choice is not None and choice.logprobs is not None:
                 tokens_before_swap += len(choice.logprobs.content or [])
                 if tokens_before_swap >= 1 and not swapped:  # vLLM is generating: swap now
+                    marks.append(time.monotonic() - t0)
                     assert asyncio.run(publisher.publish(state, version)) == version
+                    marks.append(time.monotonic() - t0)
                     swapped = True
             if choice is not None and choice.finish_reason is not None:
                 finish = choice.finish_reason
+    marks.append(time.monotonic() - t0)
+    timings.append(" / ".join(f"{m:.1f}" for m in marks))
     assert finish == "length"
     assert swapped
     return s
