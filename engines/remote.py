@@ -67,6 +67,18 @@ class Piece:
     finish: FinishReason | None = None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RemoteEngineConfig:
+    """What every HTTP adapter is configured with (the vLLM and SGLang configs extend it)."""
+
+    url: str
+    """Base URL of the server, without `/v1` (e.g. http://127.0.0.1:8001)."""
+    vocab_size: int | None = None
+    """When set, prompt ids outside [0, vocab_size) are refused before they reach the server."""
+    timeout: float = 600.0
+    """Seconds one HTTP read may wait (a generation streams, so this bounds silence)."""
+
+
 class ServerPaused(Exception):
     """The server refused a sub-request because it is paused (vLLM 0.33 answers 503)."""
 

@@ -23,7 +23,7 @@ from typing import Any
 from engines.base import FinishReason, SamplingParams, WeightUpdate
 from engines.errors import EngineUnavailableError, WeightUpdateError
 from engines.http import EngineHTTP, Reply, raise_for_status
-from engines.remote import Piece, RemoteEngine
+from engines.remote import Piece, RemoteEngine, RemoteEngineConfig
 
 _FINISH = {
     "stop": FinishReason.STOP,
@@ -33,14 +33,9 @@ _FINISH = {
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SGLangEngineConfig:
-    url: str
-    """Base URL of the SGLang server (e.g. http://127.0.0.1:30000)."""
+class SGLangEngineConfig(RemoteEngineConfig):
     max_model_len: int | None = None
     """Context length; None asks the server (`/server_info` `context_length`)."""
-    vocab_size: int | None = None
-    """When set, prompt ids outside [0, vocab_size) are refused before they reach the server."""
-    timeout: float = 600.0
 
 
 class SGLangEngine(RemoteEngine):

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from engines.base import FinishReason, SamplingParams, WeightUpdate
 from engines.errors import EngineUnavailableError, WeightUpdateError
 from engines.http import EngineHTTP, Reply, raise_for_status
-from engines.remote import Piece, RemoteEngine, ServerPaused
+from engines.remote import Piece, RemoteEngine, RemoteEngineConfig, ServerPaused
 
 if TYPE_CHECKING:
     from engines.vllm_launch import VLLMServer
@@ -49,15 +49,9 @@ _METRIC = re.compile(r"^(vllm:num_requests_(?:running|waiting))(?:\{[^}]*\})?\s+
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class VLLMEngineConfig:
-    url: str
-    """Base URL of the vLLM server, without `/v1` (e.g. http://127.0.0.1:8001)."""
+class VLLMEngineConfig(RemoteEngineConfig):
     model: str | None = None
     """The served model name; None takes the first model the server lists."""
-    vocab_size: int | None = None
-    """When set, prompt ids outside [0, vocab_size) are refused before they reach the server."""
-    timeout: float = 600.0
-    """Seconds one HTTP call may take (a generation streams, so this bounds silence)."""
     stream_interval: int = 16
     """vLLM streams the first token at once, then every this many tokens (and the last ones):
     one server-sent event per token costs both processes more than the tokens themselves."""
