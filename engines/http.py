@@ -21,6 +21,7 @@ judge (`raise_for_status`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json as jsonlib
 from collections.abc import AsyncIterator, Mapping
@@ -32,6 +33,9 @@ import aiohttp
 from engines.errors import EngineUnavailableError, InvalidRequestError
 
 CONNECT_TIMEOUT_S = 10.0
+DRAIN_S = 5.0
+"""How long the rest of a stream a caller has left may take to arrive before its connection is
+closed instead of kept."""
 KEEPALIVE_S = 2.0
 """How long an idle connection is kept: well under the 5 s after which uvicorn closes it."""
 
@@ -82,6 +86,7 @@ class EngineHTTP:
     def __init__(self, base_url: str, *, timeout: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self._draining: set[asyncio.Task[None]] = set()
         self._pooled: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
         """Opens a new connection for every request: for the resend of a request whose kept-alive
@@ -153,18 +158,53 @@ class EngineHTTP:
     @contextlib.asynccontextmanager
     async def stream(self, path: str, json: Any) -> AsyncIterator[Stream]:
         """POST `json` and hold the response open. Transport failures, also those while the
-        caller reads the body, raise `EngineUnavailableError`."""
+        caller reads the body, raise `EngineUnavailableError`.
+
+        A caller that leaves normally before the end of the body (at the `[DONE]` event) is not
+        kept waiting for the rest (the chunked terminator, which a busy server sends a loop turn
+        later): the rest is read in the background and the connection then goes back to the
+        pool. A caller that leaves by an exception (an abort) closes the connection, which tells
+        the server to stop."""
         try:
-            async with await self._send("POST", path, json=json) as response:
-                yield Stream(response)
+            response = await self._send("POST", path, json=json)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._error(exc) from exc
+        try:
+            yield Stream(response)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            response.close()
+            raise self._error(exc) from exc
+        except BaseException:
+            response.close()
+            raise
+        if response.content.at_eof():
+            response.release()
+        else:
+            task = asyncio.create_task(_drain(response))
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
 
     async def close(self) -> None:
+        for task in list(self._draining):
+            task.cancel()
+        await asyncio.gather(*self._draining, return_exceptions=True)
         for session in (self._pooled, self._fresh):
             if session is not None:
                 await session.close()
         self._pooled = self._fresh = None
+
+
+async def _drain(response: aiohttp.ClientResponse) -> None:
+    """Read the rest of a body (in `DRAIN_S` at most), then give its connection back; close it
+    if that fails."""
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            while await response.content.readany():
+                pass
+    except BaseException:
+        response.close()
+        raise
+    response.release()
 
 
 def raise_for_status(reply: Reply, what: str) -> None:

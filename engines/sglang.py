@@ -102,10 +102,9 @@ class SGLangEngine(RemoteEngine):
         async with self.http.stream("/generate", body) as response:
             if response.status >= 400:
                 raise_for_status(await response.read(), "POST /generate")
-            # Read on past [DONE] to the end of the body, so the connection is kept for reuse.
             async for data in response.events():
                 if data == "[DONE]":
-                    continue
+                    return  # the rest of the body is read in the background (EngineHTTP.stream)
                 event = json.loads(data)
                 if "error" in event:
                     raise EngineUnavailableError(f"SGLang stream error: {event['error']}")

@@ -183,10 +183,9 @@ class VLLMEngine(RemoteEngine):
                 raise ServerPaused((await response.read()).text)
             if response.status >= 400:
                 raise_for_status(await response.read(), f"POST {path}")
-            # Read on past [DONE] to the end of the body, so the connection is kept for reuse.
             async for data in response.events():
                 if data == "[DONE]":
-                    continue
+                    return  # the rest of the body is read in the background (EngineHTTP.stream)
                 event = json.loads(data)
                 if "error" in event:  # an error after the stream started
                     raise EngineUnavailableError(f"vLLM stream error: {event['error']}")

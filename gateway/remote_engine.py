@@ -35,7 +35,7 @@ def eos_token_ids(model_dir: Path) -> frozenset[int]:
 async def connect_engine(settings: GatewaySettings, model_dir: Path, vocab_size: int) -> Engine:
     from engines.servers import connect_servers
 
-    # httpx logs every request at INFO: with an engine over HTTP that is every generation.
+    # httpx logs every request at INFO, and the vLLM launcher polls /health with it each second.
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     if not settings.engine_launch:

@@ -1,7 +1,8 @@
 """`engines.http.EngineHTTP` against a raw HTTP/1.1 server on a loopback port that tells how each
-request arrived: connections are kept and reused once a body is read to its end, a kept-alive
-connection that the server drops before answering is retried once on a new one, server-sent
-events split on newlines only, and every transport failure is `EngineUnavailableError`."""
+request arrived: connections are kept and reused once a body is read to its end (also in the
+background after a caller left at [DONE]), an abort closes one, a kept-alive connection that the
+server drops before answering is retried once on a new one, server-sent events split on newlines
+only, and every transport failure is `EngineUnavailableError`."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class RawServer:
     (what a server whose keep-alive timer just fired does)."""
 
     drop_second: bool = False
+    hold_terminator: asyncio.Event | None = None
+    """When set, a stream's last chunk (the chunked terminator) waits for this event."""
     connections: int = 0
     requests: list[tuple[int, str]] = field(default_factory=list)
     """(connection number, request line) in arrival order."""
@@ -59,6 +62,8 @@ class RawServer:
                     ):
                         writer.write(b"%x\r\n%s\r\n" % (len(part), part))
                         await writer.drain()
+                    if self.hold_terminator is not None:
+                        await self.hold_terminator.wait()
                     writer.write(b"0\r\n\r\n")
                 await writer.drain()
         finally:
@@ -91,6 +96,37 @@ async def test_a_connection_is_reused_after_a_stream_read_to_its_end() -> None:
     assert reply.status == 200
     assert reply.json() == {"conn": 1}
     assert server.requests == [(1, "POST /sse HTTP/1.1"), (1, "GET /n HTTP/1.1")]
+
+
+async def test_a_caller_that_leaves_at_done_is_not_kept_waiting_and_an_abort_closes() -> None:
+    """Leaving at [DONE] returns at once; the rest of the body is read in the background and the
+    connection is kept. Leaving by an exception (an abort) closes the connection."""
+    server = RawServer(hold_terminator=asyncio.Event())
+    async with serving(server) as url:
+        http = EngineHTTP(url)
+        try:
+            async with http.stream("/sse", {}) as response:
+                async for event in response.events():
+                    if event == "[DONE]":
+                        break
+            # Out, though the server still holds the end of the body back.
+            assert server.hold_terminator is not None
+            server.hold_terminator.set()
+            await asyncio.gather(*http._draining)
+            assert (await http.post("/n")).json()["conn"] == 1  # kept
+
+            async def abort_midway() -> None:
+                async with http.stream("/sse", {}) as response:
+                    async for _ in response.events():
+                        raise RuntimeError("abort")
+
+            server.hold_terminator = asyncio.Event()  # the body is unfinished at the abort
+            with pytest.raises(RuntimeError):
+                await abort_midway()
+            assert (await http.post("/n")).json()["conn"] == 2  # closed by the abort
+            server.hold_terminator.set()
+        finally:
+            await http.close()
 
 
 async def test_a_kept_connection_the_server_dropped_is_retried_on_a_new_one() -> None:
