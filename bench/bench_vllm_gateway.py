@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -336,7 +336,7 @@ async def _vllm_part(
 async def _overhead_runs(
     model_dir: Path, vllm_url: str, vllm_pid: int | None, args: argparse.Namespace
 ) -> dict[str, list[dict[str, Any]]]:
-    """`args.repeat` rounds; each runs every path once, one after another."""
+    """`args.repeat` rounds; each runs every path once, one after another, in rotated order."""
     assert vllm_pid is not None
     names = paths(args)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
@@ -353,30 +353,25 @@ async def _overhead_runs(
             gateways.append(old)
             await wait_healthy(old, old_base, tmp / "baseline" / "serve.log")
             old_groups = {"vllm": vllm_pid, "gateway": old.pid}
-        for _ in range(args.repeat):
-            runs[names[0]].append(
-                await run_clients(
-                    vllm_url,
-                    lambda i: ("/v1/chat/completions", "none"),
-                    args.clients,
-                    args.requests,
-                    args.max_tokens,
-                    groups,
-                )
-            )
-            runs[names[1]].append(await recorded_run(base, args, groups))
-            runs[names[2]].append(
-                await run_clients(
-                    base,
-                    lambda i: ("/v1/chat/completions", ADMIN),
-                    args.clients,
-                    args.requests,
-                    args.max_tokens,
-                    groups,
-                )
-            )
-            if args.baseline:
-                runs[names[3]].append(await recorded_run(old_base, args, old_groups))
+        measure: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
+            names[0]: lambda: run_clients(
+                vllm_url, to("/v1/chat/completions"), args.clients, args.requests,
+                args.max_tokens, groups,
+            ),
+            names[1]: lambda: recorded_run(base, args, groups),
+            names[2]: lambda: run_clients(
+                base, lambda i: ("/v1/chat/completions", ADMIN), args.clients, args.requests,
+                args.max_tokens, groups,
+            ),
+        }  # fmt: skip
+        if args.baseline:
+            measure[names[3]] = lambda: recorded_run(old_base, args, old_groups)
+        for round_ in range(args.repeat):
+            # Each round starts one path later: a path run right after another one is slower on
+            # this machine (vLLM still winds down), so every path takes every place in turn.
+            for k in range(len(names)):
+                name = names[(round_ + k) % len(names)]
+                runs[name].append(await measure[name]())
     finally:
         for gateway in gateways:
             stop_server(gateway)
