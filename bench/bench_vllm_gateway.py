@@ -47,20 +47,25 @@ from bench_gateway import (
 )
 
 
-def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
-    """CPU seconds (user + system) used so far by every process of each process group."""
+def process_cpu(pgid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each process of group `pgid`, by name."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = dict.fromkeys(groups, 0.0)
-    by_group = {pgid: name for name, pgid in groups.items()}
+    out: dict[str, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            text = stat.read_text()
         except OSError:
             continue  # the process ended
-        name = by_group.get(int(fields[2]))  # pgrp
-        if name is not None:
-            out[name] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid:  # pgrp
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds used so far by every process of each process group."""
+    return {name: sum(process_cpu(pgid).values()) for name, pgid in groups.items()}
 
 
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -207,22 +212,6 @@ async def spin_check(url: str, pid: int) -> dict[str, float]:
         conn.close()
     assert status == 200, out[:300]
     return {"wall": wall} | {k: after[k] - before.get(k, 0.0) for k in after}
-
-
-def process_cpu(pgid: int) -> dict[str, float]:
-    """CPU seconds of each process in group `pgid`, by process name."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        name = text[text.index("(") + 1 : text.rindex(")")]
-        fields = text.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid:
-            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def start_gateway(

@@ -194,30 +194,33 @@ class RemoteEngine(abc.ABC):
                 )
                 live.sub_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
                 live.started = asyncio.Event()
-                finish: FinishReason | None = None
+                last: Piece | None = None
                 try:
                     async for piece in self._submit(
                         live.sub_id, request.prompt_ids + tuple(produced), sub_sampling
                     ):
                         live.started.set()
-                        produced += piece.token_ids
-                        finish = piece.finish
-                        if finish == FinishReason.ABORT and not live.aborted:
-                            finish = None  # interrupted by a pause: resubmit the rest
-                        if piece.token_ids or finish is not None:
-                            n = len(piece.token_ids)
-                            yield TokenChunk(
-                                piece.token_ids,
-                                piece.logprobs,
-                                (version,) * n,
-                                finish,
-                                piece.top_logprobs,
-                            )
+                        if piece.finish is not None:
+                            last = piece
+                        elif piece.token_ids:
+                            produced += piece.token_ids
+                            yield _chunk(piece, version, None)
                 except ServerPaused:
                     await asyncio.sleep(PAUSED_RETRY_S)
                     continue
                 finally:
                     live.started.set()
+                # The last piece goes out once the sub-request's response is over: a consumer
+                # leaves at it, and leaving while the response is open would close its
+                # connection instead of keeping it for the next request (EngineHTTP.stream).
+                finish: FinishReason | None = None
+                if last is not None:
+                    produced += last.token_ids
+                    finish = last.finish
+                    if finish == FinishReason.ABORT and not live.aborted:
+                        finish = None  # interrupted by a pause: resubmit the rest
+                    if last.token_ids or finish is not None:
+                        yield _chunk(last, version, finish)
                 if finish is not None:
                     return
                 if len(produced) >= budget:  # the server stopped at our budget without saying
@@ -314,3 +317,9 @@ class RemoteEngine(abc.ABC):
     @property
     def live_requests(self) -> int:
         return len(self._live)
+
+
+def _chunk(piece: Piece, version: int, finish: FinishReason | None) -> TokenChunk:
+    """`piece` as the Engine protocol's chunk, every token stamped with `version`."""
+    n = len(piece.token_ids)
+    return TokenChunk(piece.token_ids, piece.logprobs, (version,) * n, finish, piece.top_logprobs)

@@ -99,7 +99,6 @@ class SGLangEngine(RemoteEngine):
         body = self._body(sub_id, prompt, sampling)
         k = sampling.top_logprobs
         seen = 0
-        last: Piece | None = None
         async with self.http.stream("/generate", body) as response:
             if response.status >= 400:
                 raise_for_status(await response.read(), "POST /generate")
@@ -111,14 +110,7 @@ class SGLangEngine(RemoteEngine):
                     raise EngineUnavailableError(f"SGLang stream error: {event['error']}")
                 piece = _piece(event["meta_info"], seen, k)
                 seen += len(piece.token_ids)
-                if piece.finish is None:
-                    yield piece
-                else:
-                    last = piece
-        # The last piece only once the response is done with (its connection kept for reuse,
-        # EngineHTTP.stream): a consumer leaves at it, and leaving inside would close it.
-        if last is not None:
-            yield last
+                yield piece
 
     async def _abort_sub(self, sub_id: str) -> None:
         await self.http.post("/abort_request", json={"rid": sub_id})

@@ -2,8 +2,9 @@
 
 Generation, streamed, is one of two routes (`VLLMEngineConfig.api`):
 - `POST /inference/v1/generate` (the server runs with `--enable-scale-out`): token ids in, token
-  ids and per-token logprobs keyed by id out, nothing detokenized. vLLM spends about a quarter
-  less CPU per request on it than on the OpenAI routes (BENCHMARKS.md).
+  ids and per-token logprobs keyed by id out, nothing detokenized. vLLM spent 2-12% less CPU
+  per request on it than on `/v1/completions` with the tiny model, whose tokenizer makes
+  detokenizing nearly free (BENCHMARKS.md).
 - `POST /v1/completions` with a token-id prompt, `return_token_ids` and `logprobs`: any server.
 The server must run with `--logprobs-mode processed_logprobs` (post-temperature logprobs, the
 behaviour logprob the trainer recomputes) and `VLLM_SERVER_DEV_MODE=1` (pause, resume, abort and
@@ -88,6 +89,7 @@ class VLLMEngine(RemoteEngine):
         self.model = model
         self.api = api
         """The generation route in use (`VLLMEngineConfig.api`, resolved)."""
+        self._route = _ROUTES[api]
         self.server: VLLMServer | None = None
         """A server this engine launched (`engines.vllm_launch`); `close` stops it."""
 
@@ -138,8 +140,8 @@ class VLLMEngine(RemoteEngine):
     def _body(
         self, sub_id: str, prompt: tuple[int, ...], sampling: SamplingParams
     ) -> dict[str, Any]:
-        """The request body for `self.api`. Both routes take the same sampling fields; the
-        generate route nests them and is told to skip detokenizing."""
+        """The request body on this engine's route. Both routes take the same sampling fields;
+        the generate route nests them."""
         params: dict[str, Any] = {
             "max_tokens": sampling.max_new_tokens,
             "min_tokens": sampling.min_new_tokens,
@@ -154,36 +156,17 @@ class VLLMEngine(RemoteEngine):
         }
         if sampling.seed is not None:
             params["seed"] = sampling.seed
-        if self.api == "generate":
-            return {
-                "request_id": sub_id,
-                "model": self.model,
-                "token_ids": list(prompt),
-                "sampling_params": params | {"detokenize": False},
-                "output_mode": "tokens",
-                "stream": True,
-            }
-        return params | {
-            "model": self.model,
-            "prompt": list(prompt),
-            "request_id": sub_id,
-            "stream": True,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-        }
+        return self._route.body(params, sub_id, self.model, list(prompt))
 
     async def _submit(
         self, sub_id: str, prompt: tuple[int, ...], sampling: SamplingParams
     ) -> AsyncIterator[Piece]:
-        path = GENERATE if self.api == "generate" else "/v1/completions"
-        piece = _generate_piece if self.api == "generate" else _completion_piece
-        k = sampling.top_logprobs
-        last: Piece | None = None
-        async with self.http.stream(path, self._body(sub_id, prompt, sampling)) as response:
+        route, k = self._route, sampling.top_logprobs
+        async with self.http.stream(route.path, self._body(sub_id, prompt, sampling)) as response:
             if response.status == 503:
                 raise ServerPaused((await response.read()).text)
             if response.status >= 400:
-                raise_for_status(await response.read(), f"POST {path}")
+                raise_for_status(await response.read(), f"POST {route.path}")
             async for data in response.events():
                 if data == "[DONE]":
                     break
@@ -191,24 +174,11 @@ class VLLMEngine(RemoteEngine):
                 if "error" in event:  # an error after the stream started
                     raise EngineUnavailableError(f"vLLM stream error: {event['error']}")
                 for choice in event.get("choices", ()):
-                    p = piece(choice, k)
-                    if p.finish is None:
-                        yield p
-                    else:
-                        last = p
-        # The last piece only once the response is done with (its connection kept for reuse,
-        # EngineHTTP.stream): a consumer leaves at it, and leaving inside would close it.
-        if last is not None:
-            yield last
+                    yield route.piece(choice, k)
 
     async def _abort_sub(self, sub_id: str) -> None:
-        # vLLM's engine request ids: "generate-tokens-{id}" for the generate route,
-        # "cmpl-{id}-{prompt index}" for a completion.
-        if self.api == "generate":
-            ids, path = [f"generate-tokens-{sub_id}"], "/inference/v1/abort_requests"
-        else:
-            ids, path = [f"cmpl-{sub_id}-0"], "/abort_requests"
-        await self.http.post(path, json={"request_ids": ids})
+        ids = [self._route.engine_id.format(sub_id)]
+        await self.http.post(self._route.abort_path, json={"request_ids": ids})
 
     # -- control ------------------------------------------------------------------------------
 
@@ -370,6 +340,55 @@ def _finish(choice: dict[str, Any]) -> FinishReason | None:
 def _top(pairs: Iterable[tuple[int, float]], k: int) -> tuple[tuple[int, float], ...]:
     """The k most likely of vLLM's candidates, which also list the sampled token (once)."""
     return tuple(sorted(dict(pairs).items(), key=lambda p: -p[1])[:k])
+
+
+def _generate_body(
+    params: dict[str, Any], sub_id: str, model: str, prompt: list[int]
+) -> dict[str, Any]:
+    return {
+        "request_id": sub_id,
+        "model": model,
+        "token_ids": prompt,
+        "sampling_params": params | {"detokenize": False},
+        "output_mode": "tokens",
+        "stream": True,
+    }
+
+
+def _completion_body(
+    params: dict[str, Any], sub_id: str, model: str, prompt: list[int]
+) -> dict[str, Any]:
+    return params | {
+        "model": model,
+        "prompt": prompt,
+        "request_id": sub_id,
+        "stream": True,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """How one generation route is asked, read and aborted."""
+
+    path: str
+    body: Callable[[dict[str, Any], str, str, list[int]], dict[str, Any]]
+    piece: Callable[[dict[str, Any], int], Piece]
+    abort_path: str
+    engine_id: str
+    """vLLM's engine request id for our request id `{}` (what its abort endpoint takes)."""
+
+
+_ROUTES = {
+    "generate": _Route(
+        GENERATE, _generate_body, _generate_piece, "/inference/v1/abort_requests",
+        "generate-tokens-{}",
+    ),
+    "completions": _Route(
+        "/v1/completions", _completion_body, _completion_piece, "/abort_requests", "cmpl-{}-0"
+    ),
+}  # fmt: skip
 
 
 def parse_load(metrics: str) -> dict[str, float]:
