@@ -16,6 +16,6 @@ timeout 300 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
   -W ignore::DeprecationWarning -W ignore::UserWarning -W ignore::FutureWarning \
   tests/integration/test_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
 if [ "${1:-}" = "--demo" ]; then
-  timeout 420 python3 -m gateway.cli demo --minutes "${DEMO_MINUTES:-3}" --out "$out/demo" 2>&1 \
+  timeout 420 python3 -m rlgateway.cli demo --minutes "${DEMO_MINUTES:-3}" --out "$out/demo" 2>&1 \
     | grep -v "Loading\|Writing" | tee "$out/demo.log" | tail -60
 fi

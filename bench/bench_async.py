@@ -34,8 +34,9 @@ async def run_once(
 ) -> dict[str, Any]:
     from engines.local import LocalEngine, LocalEngineConfig
     from engines.tiny_model import load_tokenizer, tiny_model_dir
-    from gateway.app import Components, create_app
+    from gateway.deps import Components
     from gateway.settings import GatewaySettings
+    from rlgateway.app import create_app
     from store import Store
     from trainer.backends.registry import build_backend
     from trainer.config import TrainConfig

@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def run(out: Path, minutes: float, seed: int, extra: list[str], train: bool) -> dict[str, object]:
-    cmd = [sys.executable, "-m", "gateway.cli", "demo", "--minutes", str(minutes)]
+    cmd = [sys.executable, "-m", "rlgateway.cli", "demo", "--minutes", str(minutes)]
     cmd += ["--seed", str(seed), "--out", str(out), *([] if train else ["--no-train"]), *extra]
     subprocess.run(cmd, check=True)
     summary: dict[str, object] = json.loads((out / "summary.json").read_text())

@@ -122,7 +122,7 @@ def through_gateway(
     cmd = [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "rlgateway.cli",
         "serve",
         "--port",
         str(port),

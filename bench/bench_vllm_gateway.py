@@ -223,7 +223,7 @@ def start_gateway(
     env = {**os.environ, "RLGATEWAY_ADMIN_TOKEN": ADMIN}
     if checkout:
         env["PYTHONPATH"] = checkout
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    cmd = [sys.executable, "-m", "rlgateway.cli", "serve", "--port", str(port)]
     cmd += ["--model", str(model_dir), "--database-url", f"sqlite:///{tmp / 'bench.db'}"]
     cmd += ["--engine", "vllm", "--engine-url", vllm_url, "--log-level", "warning"]
     with open(tmp / "serve.log", "w") as log:

@@ -2,86 +2,40 @@
 
 `create_app(settings)` builds the engine, store and tokenizer in its lifespan (what `rlgateway
 serve` does); tests and embedders pass ready-made components with `create_app(settings,
-components=...)` and keep ownership of them.
+components=...)` and keep ownership of them. The gateway knows nothing of the trainer: the
+composition layer (`rlgateway.app`) passes the trainer's run-config check and, for `serve
+--train`, the embedded trainer as a sidecar.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engines.base import Engine
-from gateway.admission import Admission
-from gateway.auth import SessionDirectory
-from gateway.chat import ChatService
-from gateway.chat_render import ChatRenderer
-from gateway.completions import CompletionService
+from gateway.deps import (
+    Components,
+    GatewayDep,
+    RunConfigCheck,
+    accept_any_config,
+    build_gateway,
+)
 from gateway.errors import PayloadTooLarge, error_body, install_error_handlers
 from gateway.metrics import GatewayMetrics, RequestMetrics
-from gateway.recorder import Recorder
-from gateway.segments import SegmentTracker
 from gateway.settings import GatewaySettings
 from store import Store
 
+Sidecar = Callable[[Components, GatewaySettings], AbstractAsyncContextManager[Any]]
+"""Something that runs beside the gateway for the app's lifetime, on its components (the
+embedded trainer of `rlgateway serve --train`): entered after the components are up, left before
+they close."""
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Components:
-    """What the gateway runs on. `eos_token_ids` are the model's end-of-turn ids."""
-
-    engine: Engine
-    store: Store
-    tokenizer: Any
-    eos_token_ids: frozenset[int]
-    model_name: str
-
-
-@dataclass(slots=True)
-class Gateway:
-    settings: GatewaySettings
-    components: Components
-    renderer: ChatRenderer
-    recorder: Recorder
-    chat: ChatService
-    completions: CompletionService
-    admission: Admission
-    sessions: SessionDirectory
-    metrics: GatewayMetrics
-
-    @property
-    def store(self) -> Store:
-        return self.components.store
-
-    @property
-    def engine(self) -> Engine:
-        return self.components.engine
-
-
-def build_gateway(
-    settings: GatewaySettings, c: Components, metrics: GatewayMetrics | None = None
-) -> Gateway:
-    metrics = metrics or GatewayMetrics()
-    renderer = ChatRenderer(c.tokenizer, c.eos_token_ids)
-    recorder = Recorder(c.store, SegmentTracker(c.store), on_commit=metrics.observe_records)
-    return Gateway(
-        settings=settings,
-        components=c,
-        renderer=renderer,
-        recorder=recorder,
-        chat=ChatService(c.engine, renderer, recorder, c.model_name),
-        completions=CompletionService(c.engine, renderer, recorder, c.model_name),
-        admission=Admission(c.store),
-        sessions=SessionDirectory(c.store),
-        metrics=metrics,
-    )
 
 
 async def load_components(settings: GatewaySettings) -> Components:
@@ -172,10 +126,17 @@ class BodyLimit:
 
 
 def create_app(
-    settings: GatewaySettings, components: Components | None = None, train: Any = None
+    settings: GatewaySettings,
+    components: Components | None = None,
+    *,
+    check_run_config: RunConfigCheck = accept_any_config,
+    sidecars: Sequence[Sidecar] = (),
 ) -> FastAPI:
-    """`train` (a `trainer.config.TrainConfig`) runs the trainer in this process, publishing each
-    new policy straight into the local engine (`rlgateway serve --train`)."""
+    """The gateway. Without `components` it loads the engine and store from `settings` in its
+    lifespan and closes them at the end; with them, the caller keeps ownership.
+    `check_run_config` validates `POST /runs` configs; `sidecars` run for the app's lifetime."""
+    from contextlib import AsyncExitStack
+
     from gateway.routes import (
         admin,
         engines,
@@ -195,18 +156,13 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = components is None
         c = components if components is not None else await load_components(settings)
-        app.state.gateway = build_gateway(settings, c, metrics)
-        embedded = None
-        if train is not None:
-            from gateway.embedded import EmbeddedTrainer
-
-            embedded = await EmbeddedTrainer.start(train, c, settings)
-        app.state.trainer = embedded
+        app.state.gateway = build_gateway(settings, c, metrics, check_run_config)
         try:
-            yield
+            async with AsyncExitStack() as stack:
+                for sidecar in sidecars:
+                    await stack.enter_async_context(sidecar(c, settings))
+                yield
         finally:
-            if embedded is not None:
-                await embedded.stop()
             if owned:
                 await c.engine.close()
                 await c.store.close()
@@ -238,12 +194,3 @@ def create_app(
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics)
     return app
-
-
-async def get_gateway(request: Request) -> Gateway:
-    # async on purpose: FastAPI runs a plain-def dependency in a worker thread, one hop per request
-    gw: Gateway = request.app.state.gateway
-    return gw
-
-
-GatewayDep = Annotated[Gateway, Depends(get_gateway)]

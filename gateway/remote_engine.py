@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from engines.base import Engine
 
 if TYPE_CHECKING:
-    from gateway.app import Components
+    from gateway.deps import Components
     from gateway.settings import GatewaySettings
 
 
@@ -63,7 +63,7 @@ async def connect_engine(settings: GatewaySettings, model_dir: Path, vocab_size:
 
 async def load_remote_components(settings: GatewaySettings) -> Components:
     from engines.tiny_model import load_tokenizer, tiny_model_dir
-    from gateway.app import Components
+    from gateway.deps import Components
     from store import Store
 
     model_dir = Path(settings.model) if settings.model else tiny_model_dir()

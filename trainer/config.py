@@ -175,6 +175,20 @@ class TrainConfig(BaseModel):
         return base.model_copy(update={"lr": self.critic.lr})
 
 
+def check_run_config(config: dict[str, Any]) -> None:
+    """A run's stored config (`POST /runs`) is a training config minus `run` and the store.
+    Raises ValueError naming the field: `config.optim.lr: ...`."""
+    try:
+        TrainConfig.model_validate({**config, "run": "", "database_url": "sqlite:///x"})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        message = f"config.{where}: {first['msg']}" if where else f"config: {first['msg']}"
+        raise ValueError(message) from None
+    except ValueError as exc:
+        raise ValueError(f"config: {exc}") from None
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """`a.b=value` pairs onto a nested dict; values are parsed as YAML scalars."""
     out = dict(data)

@@ -13,8 +13,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from gateway.app import GatewayDep
 from gateway.auth import Caller, authenticate, bearer, check_run_access, is_admin
+from gateway.deps import GatewayDep
 from gateway.errors import Forbidden, Unauthorized
 
 DOC_BEARER = HTTPBearer(

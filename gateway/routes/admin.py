@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from engines.base import WeightUpdate
-from gateway.app import GatewayDep
+from gateway.deps import GatewayDep
 from gateway.errors import BadRequest
 from gateway.routes.access import AdminDep
 

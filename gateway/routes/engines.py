@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from gateway.app import GatewayDep
+from gateway.deps import GatewayDep
 from gateway.routes.access import AdminDep
 
 router = APIRouter(tags=["engines"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
-from gateway.app import GatewayDep
+from gateway.deps import GatewayDep
 from gateway.export import SCHEMA, jsonl
 from gateway.routes.access import RunAgentDep
 from gateway.routes.run_sessions import SessionFilterDep

@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.app import GatewayDep
 from gateway.auth import require_active, resolve
+from gateway.deps import GatewayDep
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter(tags=["openai"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.app import GatewayDep
+from gateway.deps import GatewayDep
 from gateway.routes.access import AdminDep
 
 router = APIRouter(tags=["metrics"])

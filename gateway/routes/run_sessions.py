@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
-from gateway.app import GatewayDep
+from gateway.deps import GatewayDep
 from gateway.errors import BadRequest, Conflict, TooManyRequests
 from gateway.routes.access import RunAgentDep
 from gateway.views import summary_json

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from gateway.app import GatewayDep
+from gateway.deps import GatewayDep
 from gateway.errors import BadRequest, Conflict
 from gateway.routes.access import AdminDep, RunAdminDep, RunAgentDep
 from gateway.views import run_json, run_summary_json
@@ -32,26 +32,18 @@ class RunCreate(BaseModel):
 async def create_run(gw: GatewayDep, _: AdminDep, body: RunCreate) -> dict[str, Any]:
     """Create a run. The answer holds its `api_key` (shown once): the agents' key, which creates
     and uses sessions of this run only."""
-    validate_run_config(body.config)
+    validate_run_config(gw, body.config)
     run = await gw.store.create_run(body.name, body.config)
     key = await gw.store.new_run_key(run.id)
     return {**run_json(run), "api_key": key}
 
 
-def validate_run_config(config: dict[str, Any]) -> None:
-    """A run's config is a training config (`rlgateway train --config`), minus run and store."""
-    from pydantic import ValidationError
-
-    from trainer.config import TrainConfig
-
+def validate_run_config(gw: GatewayDep, config: dict[str, Any]) -> None:
+    """A run's config, checked by the composed check (the trainer's, under `rlgateway serve`)."""
     try:
-        TrainConfig.model_validate({**config, "run": "", "database_url": "sqlite:///x"})
-    except (ValidationError, ValueError) as exc:
-        if isinstance(exc, ValidationError):
-            first = exc.errors()[0]
-            where = ".".join(str(x) for x in first["loc"]) or "config"
-            raise BadRequest(f"config.{where}: {first['msg']}", param="config") from None
-        raise BadRequest(f"config: {exc}", param="config") from None
+        gw.check_run_config(config)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="config") from None
 
 
 @router.get("/runs")

@@ -9,8 +9,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import AfterValidator, BaseModel, Field
 
-from gateway.app import Gateway, GatewayDep
 from gateway.auth import resolve
+from gateway.deps import Gateway, GatewayDep
 from gateway.routes.access import DOC_BEARER, AdminDep
 from gateway.views import detail_json, info_json
 

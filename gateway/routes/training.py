@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from gateway.app import GatewayDep
+from gateway.deps import GatewayDep
 from gateway.routes.access import RunAgentDep
 from gateway.views import step_json
 

@@ -17,8 +17,9 @@ from fastapi import FastAPI
 
 from engines.local import LocalEngine, LocalEngineConfig
 from engines.tiny_model import load_tokenizer
-from gateway.app import Components, create_app
+from gateway.deps import Components
 from gateway.settings import GatewaySettings
+from rlgateway.app import create_app
 from store import Store
 
 ADMIN_TOKEN = "admin-token"

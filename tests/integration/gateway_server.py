@@ -104,7 +104,7 @@ def run_gateway(
     cmd = [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "rlgateway.cli",
         "serve",
         *("--host", "127.0.0.1", "--port", str(port)),
         *("--database-url", database_url),

@@ -22,7 +22,7 @@ SMALL = ["--warm-start-steps", "4", "--workers", "2", "--group-size", "4", "--gr
 
 def demo(out: Path, *args: str) -> tuple[str, dict[str, Any]]:
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "demo", "--out", str(out), *SMALL, *args],
+        [sys.executable, "-m", "rlgateway.cli", "demo", "--out", str(out), *SMALL, *args],
         capture_output=True,
         text=True,
         timeout=900,
@@ -94,7 +94,7 @@ def test_demo_rejects_bad_flags_before_loading_anything(
     tmp_path: Path, flags: list[str], message: str
 ) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "demo", *flags],
+        [sys.executable, "-m", "rlgateway.cli", "demo", *flags],
         capture_output=True,
         text=True,
         cwd=tmp_path,

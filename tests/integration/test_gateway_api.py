@@ -15,8 +15,9 @@ import pytest
 from engines.local import LocalEngine, LocalEngineConfig
 from engines.process import ProcessEngine
 from engines.tiny_model import load_tokenizer
-from gateway.app import Components, create_app
+from gateway.deps import Components
 from gateway.settings import GatewaySettings
+from rlgateway.app import create_app
 from store import Store
 
 ADMIN = {"Authorization": "Bearer admin-token"}

@@ -21,8 +21,9 @@ import torch
 from engines.local import LocalEngine, LocalEngineConfig
 from engines.process import ProcessEngine
 from engines.tiny_model import load_tokenizer
-from gateway.app import Components, create_app
+from gateway.deps import Components
 from gateway.settings import GatewaySettings
+from rlgateway.app import create_app
 from store import Store
 from trainer import checkpoint
 from trainer.backends.registry import build_backend, build_value_backend
@@ -309,7 +310,7 @@ def test_sigkill_mid_run_resumes_and_trains_each_trajectory_exactly_once(
         tmp_path, tiny_model, run_id, batch_size=batch, max_steps=steps, eta=steps
     )
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "gateway.cli", "train", "--config", str(config)]
+    cmd = [sys.executable, "-m", "rlgateway.cli", "train", "--config", str(config)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = tmp_path / "first.log"
     with log.open("w") as out:
@@ -353,7 +354,7 @@ def test_trainer_under_torchrun_with_two_processes(
         "--master-port",
         str(port),
         "-m",
-        "gateway.cli",
+        "rlgateway.cli",
         "train",
         "--config",
         str(config),

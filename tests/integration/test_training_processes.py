@@ -92,7 +92,7 @@ def test_separate_trainer_publishes_to_the_gateway(tiny_model: Path, tmp_path: P
             tmp_path, run=run_id, database_url=gw.database_url, model=str(tiny_model)
         )
         # the preset chosen by a command-line override, with no change to the config file
-        cmd = [sys.executable, "-m", "gateway.cli", "train", "--config", str(config),
+        cmd = [sys.executable, "-m", "rlgateway.cli", "train", "--config", str(config),
                "--gateway-url", gw.url, "--admin-token", gw.admin_token,
                "algorithm=ppo"]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

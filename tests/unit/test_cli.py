@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
+from rlgateway.cli import main
 
 
 def test_help_is_instant_and_does_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "from gateway.cli import main\n"
+        "from rlgateway.cli import main\n"
         "try:\n"
         "    main(['--help'])\n"
         "except SystemExit as e:\n"

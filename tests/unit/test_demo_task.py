@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from gateway.demo.harness import Episode
-from gateway.demo.report import Progress, summarize
-from gateway.demo.task import all_problems, grade, teacher_answer
+from rlgateway.demo.harness import Episode
+from rlgateway.demo.report import Progress, summarize
+from rlgateway.demo.task import all_problems, grade, teacher_answer
 
 
 def test_problems_ask_for_three_five_or_seven_letters() -> None:
@@ -81,8 +81,8 @@ def test_the_demo_run_config_never_penalises_a_right_answer() -> None:
 
     import torch
 
-    from gateway.demo.run import DemoOptions, train_config
-    from gateway.demo.task import LONGEST_ANSWER, MAX_TOKENS
+    from rlgateway.demo.run import DemoOptions, train_config
+    from rlgateway.demo.task import LONGEST_ANSWER, MAX_TOKENS
     from trainer.algorithms.shaping import overlong_shaping
 
     o = DemoOptions(

@@ -10,7 +10,7 @@ from engines.router import default_session_of
 from engines.sglang import _piece as sglang_piece
 from engines.vllm import _completion_piece, _generate_piece, parse_load
 from gateway.chat import choice_requests
-from gateway.cli import main
+from rlgateway.cli import main
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -1,4 +1,4 @@
-"""`rlgateway db upgrade|current`, called as gateway/cli.py dispatches it."""
+"""`rlgateway db upgrade|current`, called as rlgateway/cli.py dispatches it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import CLIError
-from gateway.commands.db import run_db
+from rlgateway.commands.db import run_db
+from rlgateway.errors import CLIError
 from store.migrate import head_revision
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from openai import AsyncOpenAI
 
-from gateway.demo.task import MAX_TOKENS, Problem, grade
+from rlgateway.demo.task import MAX_TOKENS, Problem, grade
 
 RETRY_SECONDS = 0.05
 """How soon a worker asks again after a 429 (the trainer publishes often; Retry-After is 1 s)."""

@@ -7,7 +7,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from gateway.cli import CLIError
+from rlgateway.errors import CLIError
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -30,12 +30,10 @@ def run_train(args: argparse.Namespace) -> int:
 async def _train(cfg: object, gateway_url: str | None, token: str | None) -> int:
     import logging
 
-    from engines.tiny_model import tiny_model_dir
+    from rlgateway.build import build_trainer, model_dir_of
     from store import Store
     from store.errors import StoreError
-    from trainer.backends.registry import build_backend, build_value_backend
     from trainer.config import TrainConfig
-    from trainer.loop import Trainer
     from trainer.publish import DiskPublisher
 
     assert isinstance(cfg, TrainConfig)
@@ -49,27 +47,20 @@ async def _train(cfg: object, gateway_url: str | None, token: str | None) -> int
             await store.get_run(cfg.run)
         except StoreError as exc:
             raise CLIError(f"{exc}: create the run with POST /runs first") from exc
-        model_dir = Path(cfg.model) if cfg.model else tiny_model_dir()
-        backend = await asyncio.to_thread(build_backend, cfg.backend_config(str(model_dir)))
-        reference = None
-        if cfg.algorithm_config().kl_coef > 0:
-            reference = await asyncio.to_thread(build_backend, cfg.backend_config(str(model_dir)))
-        critic = None
-        if cfg.algorithm_config().use_critic:
-            critic = await asyncio.to_thread(
-                build_value_backend, cfg.critic_backend_config(str(model_dir))
-            )
+        model_dir = model_dir_of(cfg)
         publisher = None
         if gateway_url:
             assert token is not None
             weights_dir = Path(cfg.checkpoint_dir) / "published"
             publisher = DiskPublisher(weights_dir, model_dir, gateway_url, token)
         try:
-            trainer = Trainer(cfg, store, backend, publisher, reference=reference, critic=critic)
-            start = await trainer.resume()
+            trainer = await build_trainer(cfg, store, publisher, model_dir)
         except ValueError as exc:  # e.g. wandb configured but not installed; a foreign checkpoint
             raise CLIError(str(exc)) from exc
-        print(f"training run {cfg.run} from step {start} to {cfg.max_steps}", flush=True)
+        print(
+            f"training run {cfg.run} from step {trainer.backend.step} to {cfg.max_steps}",
+            flush=True,
+        )
         try:
             await trainer.run()
         finally:

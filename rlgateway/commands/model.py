@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gateway.cli import CLIError
+from rlgateway.errors import CLIError
 
 
 def run_model(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway.cli import CLIError
+from rlgateway.errors import CLIError
 
 if TYPE_CHECKING:
     from store.db import Database

@@ -10,12 +10,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from rlgateway.errors import CLIError
+
 DEMO_LR = 2e-4
 WARM_START_STEPS = 60
-
-
-class CLIError(Exception):
-    """A user mistake on the command line; the message says what to do. Exit status 2."""
 
 
 def _add_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -243,27 +241,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "model":
-            from gateway.commands.model import run_model
+            from rlgateway.commands.model import run_model
 
             return run_model(args)
         if args.command == "generate":
-            from gateway.commands.generate import run_generate
+            from rlgateway.commands.generate import run_generate
 
             return run_generate(args)
         if args.command == "serve":
-            from gateway.commands.serve import run_serve
+            from rlgateway.commands.serve import run_serve
 
             return run_serve(args)
         if args.command == "train":
-            from gateway.commands.train import run_train
+            from rlgateway.commands.train import run_train
 
             return run_train(args)
         if args.command == "demo":
-            from gateway.commands.demo import run_demo_command
+            from rlgateway.commands.demo import run_demo_command
 
             return run_demo_command(args)
         if args.command == "db":
-            from gateway.commands.db import run_db
+            from rlgateway.commands.db import run_db
 
             return run_db(args)
     except CLIError as exc:
@@ -275,8 +273,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m gateway.cli`: run the imported module's main, so that the commands' CLIError
-    # (gateway.cli.CLIError) is the class main catches, not a __main__ copy of it.
-    from gateway.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

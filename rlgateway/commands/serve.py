@@ -8,7 +8,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway.cli import CLIError
+from rlgateway.errors import CLIError
 
 if TYPE_CHECKING:
     from gateway.settings import GatewaySettings
@@ -69,7 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from gateway.app import create_app
+    from rlgateway.app import create_app
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

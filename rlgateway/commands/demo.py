@@ -1,4 +1,4 @@
-"""`rlgateway demo`: the CPU demo (see gateway/demo/run.py for what runs)."""
+"""`rlgateway demo`: the CPU demo (see rlgateway/demo/run.py for what runs)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway.cli import CLIError
+from rlgateway.errors import CLIError
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
@@ -18,8 +18,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
     import torch
 
     from engines.tiny_model import tiny_model_dir
-    from gateway.demo.run import DemoOptions, run_demo
-    from gateway.demo.warmstart import WarmStartConfig, warm_start
+    from rlgateway.demo.run import DemoOptions, run_demo
+    from rlgateway.demo.warmstart import WarmStartConfig, warm_start
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)

@@ -11,7 +11,7 @@ from typing import Any
 
 from engines.base import GenerateRequest, GenerateResult, SamplingParams
 from engines.errors import InvalidRequestError
-from gateway.cli import CLIError
+from rlgateway.errors import CLIError
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:

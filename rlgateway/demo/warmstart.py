@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.demo.task import TASK_VERSION, Problem, all_problems, teacher_answer
+from rlgateway.demo.task import TASK_VERSION, Problem, all_problems, teacher_answer
 
 
 @dataclass(frozen=True, slots=True)

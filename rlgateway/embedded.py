@@ -1,4 +1,5 @@
-"""`rlgateway serve --train`: the trainer as a background task of the gateway's process.
+"""`rlgateway serve --train` and the demo: the trainer as a background task of the gateway's
+process.
 
 It claims trajectories from the same store, trains with the FSDP backend (one process), and
 publishes each new policy straight into the local engine; agents keep generating meanwhile, and
@@ -9,15 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
 
-if TYPE_CHECKING:
-    from gateway.app import Components
-    from gateway.settings import GatewaySettings
-    from trainer.config import TrainConfig
-    from trainer.loop import Trainer
+from gateway.deps import Components
+from gateway.settings import GatewaySettings
+from rlgateway.build import build_trainer, model_dir_of
+from trainer.config import TrainConfig
+from trainer.loop import Trainer
+from trainer.publish import LocalPublisher
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +41,6 @@ class EmbeddedTrainer:
     ) -> EmbeddedTrainer:
         """Start training `cfg.run` (a new run when empty); `report` receives each step's
         metrics (default: a line on stdout)."""
-        from engines.tiny_model import tiny_model_dir
-        from trainer.backends.registry import build_backend, build_value_backend
-        from trainer.loop import Trainer
-        from trainer.publish import LocalPublisher
-
         if not cfg.run:
             run = await c.store.create_run(
                 "embedded", cfg.model_dump(mode="json", exclude={"run", "database_url"})
@@ -54,28 +51,10 @@ class EmbeddedTrainer:
                 f"training run {run.id} (create its sessions with POST /runs/{run.id}/sessions; "
                 f"the run's agent key: {key})"
             )
-        model_dir = cfg.model or settings.model or str(tiny_model_dir())
-        backend = await asyncio.to_thread(build_backend, cfg.backend_config(str(Path(model_dir))))
-        reference = None
-        if cfg.algorithm_config().kl_coef > 0:
-            reference = await asyncio.to_thread(
-                build_backend, cfg.backend_config(str(Path(model_dir)))
-            )
-        critic = None
-        if cfg.algorithm_config().use_critic:
-            critic = await asyncio.to_thread(
-                build_value_backend, cfg.critic_backend_config(str(Path(model_dir)))
-            )
-        trainer = Trainer(
-            cfg,
-            c.store,
-            backend,
-            LocalPublisher(c.engine),
-            reference=reference,
-            critic=critic,
-            report=report,
+        model_dir = model_dir_of(cfg, settings.model)
+        trainer = await build_trainer(
+            cfg, c.store, LocalPublisher(c.engine), model_dir, report=report
         )
-        await trainer.resume()
         stop = asyncio.Event()
         task = asyncio.create_task(trainer.run(stop), name="rlgateway-trainer")
         task.add_done_callback(_log_failure)
@@ -86,6 +65,22 @@ class EmbeddedTrainer:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
         self.trainer.close()
+
+
+def embedded_trainer(
+    cfg: TrainConfig,
+) -> Callable[[Components, GatewaySettings], Any]:
+    """A gateway sidecar (`gateway.app.Sidecar`) that trains `cfg` for the app's lifetime."""
+
+    @asynccontextmanager
+    async def sidecar(c: Components, settings: GatewaySettings) -> AsyncIterator[EmbeddedTrainer]:
+        trainer = await EmbeddedTrainer.start(cfg, c, settings)
+        try:
+            yield trainer
+        finally:
+            await trainer.stop()
+
+    return sidecar
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.demo.harness import Agents
-from gateway.demo.report import Progress, summarize, write_outputs
-from gateway.demo.task import LONGEST_ANSWER, MAX_TOKENS, all_problems
+from rlgateway.demo.harness import Agents
+from rlgateway.demo.report import Progress, summarize, write_outputs
+from rlgateway.demo.task import LONGEST_ANSWER, MAX_TOKENS, all_problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +76,10 @@ def train_config(o: DemoOptions, run_id: str, database_url: str) -> Any:
 async def run_demo(o: DemoOptions) -> dict[str, Any]:
     import uvicorn
 
-    from gateway.app import create_app, load_components
-    from gateway.embedded import EmbeddedTrainer
+    from gateway.app import load_components
     from gateway.settings import GatewaySettings
+    from rlgateway.app import create_app
+    from rlgateway.embedded import EmbeddedTrainer
 
     o.out.mkdir(parents=True, exist_ok=True)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

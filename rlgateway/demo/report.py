@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from gateway.demo.harness import Episode
+from rlgateway.demo.harness import Episode
 
 
 @dataclass(frozen=True, slots=True)

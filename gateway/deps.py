@@ -1,0 +1,101 @@
+"""What the routes share: the gateway's components and services, and the dependency that hands
+them to a route (`GatewayDep`).
+
+`app.py` wires routes to these; routes import this module, never `app.py`, so the wiring and the
+routes do not import each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from engines.base import Engine
+from gateway.admission import Admission
+from gateway.auth import SessionDirectory
+from gateway.chat import ChatService
+from gateway.chat_render import ChatRenderer
+from gateway.completions import CompletionService
+from gateway.metrics import GatewayMetrics
+from gateway.recorder import Recorder
+from gateway.segments import SegmentTracker
+from gateway.settings import GatewaySettings
+from store import Store
+
+RunConfigCheck = Callable[[dict[str, Any]], None]
+"""Validates a run's config (`POST /runs {"config": ...}`); raises ValueError with a message that
+names the field (`config.algo.eps_low: ...`), which becomes the 400's message. The trainer's own
+check is passed in by whoever composes the gateway with a trainer (`rlgateway.app`); the gateway
+alone accepts any JSON object."""
+
+
+def accept_any_config(config: dict[str, Any]) -> None:
+    """The check of a gateway composed without a trainer: every JSON object is a config."""
+
+
+@dataclass(slots=True)
+class Components:
+    """What the gateway runs on. `eos_token_ids` are the model's end-of-turn ids."""
+
+    engine: Engine
+    store: Store
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    model_name: str
+
+
+@dataclass(slots=True)
+class Gateway:
+    settings: GatewaySettings
+    components: Components
+    renderer: ChatRenderer
+    recorder: Recorder
+    chat: ChatService
+    completions: CompletionService
+    admission: Admission
+    sessions: SessionDirectory
+    metrics: GatewayMetrics
+    check_run_config: RunConfigCheck
+
+    @property
+    def store(self) -> Store:
+        return self.components.store
+
+    @property
+    def engine(self) -> Engine:
+        return self.components.engine
+
+
+def build_gateway(
+    settings: GatewaySettings,
+    c: Components,
+    metrics: GatewayMetrics | None = None,
+    check_run_config: RunConfigCheck = accept_any_config,
+) -> Gateway:
+    metrics = metrics or GatewayMetrics()
+    renderer = ChatRenderer(c.tokenizer, c.eos_token_ids)
+    recorder = Recorder(c.store, SegmentTracker(c.store), on_commit=metrics.observe_records)
+    return Gateway(
+        settings=settings,
+        components=c,
+        renderer=renderer,
+        recorder=recorder,
+        chat=ChatService(c.engine, renderer, recorder, c.model_name),
+        completions=CompletionService(c.engine, renderer, recorder, c.model_name),
+        admission=Admission(c.store),
+        sessions=SessionDirectory(c.store),
+        metrics=metrics,
+        check_run_config=check_run_config,
+    )
+
+
+async def get_gateway(request: Request) -> Gateway:
+    # async on purpose: FastAPI runs a plain-def dependency in a worker thread, one hop per request
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+GatewayDep = Annotated[Gateway, Depends(get_gateway)]
