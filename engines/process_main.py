@@ -5,8 +5,10 @@
 FD is this process's end of a socketpair. The main thread reads commands (`engines.ipc`) and
 calls the engine's synchronous controls; the engine's worker thread writes each step's output as
 one `Step` message. The process exits when told to close or when the gateway's end goes away
-(EOF), so it never outlives the gateway. SIGINT is ignored: a Ctrl-C at the terminal reaches the
-whole process group, and the gateway, not this process, decides when the engine stops.
+(EOF), so it never outlives the gateway. SIGINT and SIGTERM are ignored: a Ctrl-C at the
+terminal, or a service manager's SIGTERM to the process group, reaches this process too, and the
+gateway, not this process, decides when the engine stops (after its requests in flight have
+finished, so a clean shutdown is not mistaken for an engine crash).
 """
 
 from __future__ import annotations
@@ -164,6 +166,7 @@ class _Server:
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s engine-process: %(message)s"
     )

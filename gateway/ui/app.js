@@ -1,6 +1,8 @@
 // The page: runs list, run page (live charts, session browser, pause/resume/stop), session page
 // (trajectory viewer, reward form). Hash routes: #/, #/runs/ID, #/sessions/ID.
 // Every API call carries the admin token from sessionStorage; data is written with textContent.
+// The token comes from the login form, or from a fragment `#token=...` (a link `rlgateway serve`
+// prints): fragments never reach the server, and the page drops it from the address at once.
 "use strict";
 
 const TOKEN_KEY = "rlgateway.adminToken";
@@ -222,5 +224,13 @@ document.getElementById("login-form").addEventListener("submit", (e) => {
   route();
 });
 document.getElementById("logout").addEventListener("click", () => { sessionStorage.removeItem(TOKEN_KEY); route(); });
-window.addEventListener("hashchange", route);
+function takeTokenFromFragment() {
+  const m = location.hash.match(/^#token=([^&]+)$/);
+  if (!m) return;
+  sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(m[1]));
+  history.replaceState(null, "", location.pathname + location.search + "#/");
+}
+
+window.addEventListener("hashchange", () => { takeTokenFromFragment(); route(); });
+takeTokenFromFragment();
 route();

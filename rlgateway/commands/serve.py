@@ -63,7 +63,8 @@ def run_serve(args: argparse.Namespace) -> int:
         train = train.model_copy(update={"database_url": settings.database_url})
     elif args.config or args.overrides:
         raise CLIError("--config and KEY=VALUE overrides go with --train")
-    if not settings.admin_token:
+    made_up = not settings.admin_token
+    if made_up:
         settings.admin_token = f"rlg-admin-{secrets.token_urlsafe(16)}"
         print(f"admin token (set RLGATEWAY_ADMIN_TOKEN to choose one): {settings.admin_token}")
 
@@ -75,6 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     print(f"rlgateway serving on {settings.base_url()} (store: {_redacted(settings.database_url)})")
+    print(_page_line(settings, made_up), flush=True)
     uvicorn.run(
         create_app(settings, train=train),
         host=settings.host,
@@ -103,6 +105,16 @@ def _check_engine(settings: GatewaySettings) -> None:
             f"--engine {settings.engine} needs --engine-url URL (a running server), "
             "or --engine-launch to start a local vLLM"
         )
+
+
+def _page_line(settings: GatewaySettings, made_up: bool) -> str:
+    """Where the web page is. A token this command made up is already on the screen, so its link
+    carries it (in the fragment, which the browser never sends); a token the user chose is not
+    repeated."""
+    page = f"{settings.base_url()}/ui"
+    if made_up:
+        return f"web page: {page}#token={settings.admin_token}"
+    return f"web page: {page} (give it the admin token, or open {page}#token=TOKEN)"
 
 
 def _redacted(url: str) -> str:

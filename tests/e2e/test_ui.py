@@ -2,7 +2,7 @@
 downloaded browser), against a real `rlgateway serve`: log in with the admin token, find the run
 this test recorded, read its charts, open a trajectory (tokens coloured by logprob, tool output
 and context told apart, version badges), pause the run and set a reward, and check both in the
-API and the store."""
+API and the store; a link with the token in its fragment opens it signed in."""
 
 from __future__ import annotations
 
@@ -174,6 +174,18 @@ def test_page_shows_a_run_opens_a_trajectory_pauses_and_sets_a_reward(
                 page.get_by_test_id("reward-submit").click()
                 expect(page.get_by_test_id("reward-row")).to_have_count(1)
                 expect(page.get_by_test_id("reward-row")).to_contain_text("0.75")
+
+                # a link with the token in its fragment (what `serve` prints) opens the page
+                # signed in, in a fresh tab, and the token leaves the address at once
+                fresh = browser.new_context().new_page()
+                fresh.set_default_timeout(20_000)
+                fresh.goto(f"{gw.url}/ui#token={gw.admin_token}")
+                expect(
+                    fresh.locator(f'[data-testid="run-row"][data-run="{run_id}"]')
+                ).to_be_visible()
+                assert gw.admin_token not in fresh.url
+                kept = fresh.evaluate("sessionStorage.getItem('rlgateway.adminToken')")
+                assert kept == gw.admin_token
             finally:
                 browser.close()
         rewards = gw.session(second["id"])["rewards"]
