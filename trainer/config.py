@@ -144,12 +144,16 @@ class TrainConfig(BaseModel):
         return self
 
     def algorithm_config(self) -> Any:
-        from trainer.algorithms.config import algorithm_config
+        from trainer.algorithms.config import AlgorithmConfig, algorithm_config
 
         overrides = dict(self.algo)
         if self.max_tokens is not None:
             overrides.setdefault("norm_len", self.max_tokens)
-        return algorithm_config(self.algorithm, **overrides)
+        try:
+            return algorithm_config(self.algorithm, **overrides)
+        except ValidationError as exc:
+            # raised as a ValueError, so that pydantic reports it under `algo`, with the knob
+            raise ValueError(describe_error(exc, AlgorithmConfig, prefix="algo.")) from None
 
     def backend_config(self, model_dir: str) -> FSDPBackendConfig:
         o = self.optim
@@ -175,18 +179,52 @@ class TrainConfig(BaseModel):
         return base.model_copy(update={"lr": self.critic.lr})
 
 
+def describe_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
+    """The first error of `exc` as a user fixes it: the dotted key, then what is wrong and, for an
+    unknown key, the keys that are allowed there."""
+    first = exc.errors()[0]
+    loc = [str(x) for x in first["loc"]]
+    where = prefix + ".".join(loc) if loc else prefix.rstrip(".")
+    if first["type"] == "extra_forbidden":
+        known = ", ".join(_fields_at(model, loc[:-1]))
+        return f"{where}: unknown key (known here: {known})"
+    message = str(first["msg"]).removeprefix("Value error, ")
+    if first["type"] == "value_error" or "input" not in first:
+        return f"{where}: {message}" if where else message
+    return f"{where}: {message} (got {first['input']!r})"
+
+
+def _fields_at(model: type[BaseModel], path: list[str]) -> list[str]:
+    """The field names of the (nested) model at `path` of `model`."""
+    for part in path:
+        field = model.model_fields.get(part)
+        annotation = getattr(field, "annotation", None)
+        nested = [a for a in (annotation, *getattr(annotation, "__args__", ())) if _is_model(a)]
+        if not nested:
+            return []
+        model = nested[0]
+    return list(model.model_fields)
+
+
+def _is_model(annotation: object) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def validate_config(data: dict[str, Any], source: str = "config") -> TrainConfig:
+    """`data` as a TrainConfig; raises ValueError `SOURCE: KEY: what is wrong`."""
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"{source}: {describe_error(exc, TrainConfig)}") from None
+
+
 def check_run_config(config: dict[str, Any]) -> None:
     """A run's stored config (`POST /runs`) is a training config minus `run` and the store.
     Raises ValueError naming the field: `config.optim.lr: ...`."""
     try:
         TrainConfig.model_validate({**config, "run": "", "database_url": "sqlite:///x"})
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        message = f"config.{where}: {first['msg']}" if where else f"config: {first['msg']}"
-        raise ValueError(message) from None
-    except ValueError as exc:
-        raise ValueError(f"config: {exc}") from None
+        raise ValueError(describe_error(exc, TrainConfig, prefix="config.")) from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -219,10 +257,4 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(loaded, dict):
             raise ValueError(f"{p} must hold a mapping of settings, not {type(loaded).__name__}")
         data = loaded
-    data = apply_overrides(data, overrides or [])
-    try:
-        return TrainConfig.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "config"
-        raise ValueError(f"{path or 'config'}: {where}: {first['msg']}") from exc
+    return validate_config(apply_overrides(data, overrides or []), str(path or "config"))

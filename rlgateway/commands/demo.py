@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -15,32 +16,11 @@ from rlgateway.errors import CLIError
 
 def run_demo_command(args: argparse.Namespace) -> int:
     _check(args)
-    import torch
+    from rlgateway.demo.run import DemoOptions, run_demo, train_config
 
-    from engines.tiny_model import tiny_model_dir
-    from rlgateway.demo.run import DemoOptions, run_demo
-    from rlgateway.demo.warmstart import WarmStartConfig, warm_start
-
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    torch.manual_seed(args.seed)
     out = Path(args.out)
-    if args.model:
-        model_dir = Path(args.model)
-        print(f"policy: {model_dir} (no warm start)")
-    else:
-        base = tiny_model_dir(size="demo", seed=args.seed)
-        ws = WarmStartConfig(steps=args.warm_start_steps, seed=args.seed)
-        print(
-            "warm start: SFT on a sloppy teacher's demonstrations (2 to 8 characters whatever "
-            f"was asked, lowercase only 60% of the time), {ws.steps} steps through the trainer's "
-            "backend; RL then has to do better than its teacher"
-        )
-        t0 = time.perf_counter()
-        model_dir, cached = warm_start(base, ws, progress=_sft_progress(ws.steps))
-        how = "cached" if cached else f"{time.perf_counter() - t0:.0f} s"
-        print(f"warm start: {model_dir} ({how})")
     options = DemoOptions(
-        model_dir=model_dir,
+        model_dir=Path(args.model or "."),  # the warm start's, once it exists
         out=out,
         train=not args.no_train,
         minutes=args.minutes,
@@ -59,15 +39,40 @@ def run_demo_command(args: argparse.Namespace) -> int:
             "vllm_python": args.vllm_python,
         },
     )
+    if options.train:  # a bad override fails now, before the warm start and before any file
+        try:
+            train_config(options, "", "sqlite:///:memory:")
+        except ValueError as exc:
+            raise CLIError(str(exc)) from exc
+    import torch
+
+    from engines.tiny_model import tiny_model_dir
+    from rlgateway.demo.warmstart import WarmStartConfig, warm_start
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    torch.manual_seed(args.seed)
+    if args.model:
+        model_dir = Path(args.model)
+        print(f"policy: {model_dir} (no warm start)")
+    else:
+        base = tiny_model_dir(size="demo", seed=args.seed)
+        ws = WarmStartConfig(steps=args.warm_start_steps, seed=args.seed)
+        print(
+            "warm start: SFT on a sloppy teacher's demonstrations (2 to 8 characters whatever "
+            f"was asked, lowercase only 60% of the time), {ws.steps} steps through the trainer's "
+            "backend; RL then has to do better than its teacher"
+        )
+        t0 = time.perf_counter()
+        model_dir, cached = warm_start(base, ws, progress=_sft_progress(ws.steps))
+        how = "cached" if cached else f"{time.perf_counter() - t0:.0f} s"
+        print(f"warm start: {model_dir} ({how})")
+    options = dataclasses.replace(options, model_dir=model_dir)
     what = f"training with {args.algorithm}" if options.train else "no training (a control run)"
     print(
         f"demo: {args.minutes:g} min, {what}, {args.workers} concurrent groups of "
         f"{args.group_size} agents, seed {args.seed}"
     )
-    try:
-        summary = asyncio.run(run_demo(options))
-    except ValueError as exc:  # a bad override: the run config's validation message
-        raise CLIError(str(exc)) from exc
+    summary = asyncio.run(run_demo(options))
     _print_summary(summary, out)
     return 0
 
@@ -111,8 +116,28 @@ def _print_summary(s: dict[str, object], out: Path) -> None:
     shown = {k: s[k] for k in ("reward_start", "reward_end", "steps", "seconds", "trained")}
     print("\nsummary:", json.dumps(shown))
     print(f"reward curve: {s['png']}\nsummary:      {out / 'summary.json'}")
+    exe = _rlgateway()
+    store = f"--database-url {s['database_url']}"
+    if s["checkpoints"] and s["steps"]:
+        model = out / "model"
+        print(
+            f"the trained policy (step {s['steps']}) as a Hugging Face model directory:\n"
+            f"  {exe} export-model {s['checkpoints']} {model}\n"
+            "serve it at its version, recording into the demo's store:\n"
+            f"  {exe} serve --model {model} {store}"
+        )
     print(
-        "open the run: rlgateway serve --database-url "
-        f"{s['database_url']} --model {s['model']}\n"
-        f"              then GET /runs/{s['run_id']} (admin token) or open /ui"
+        f"open the run: {exe} serve {store} --model {s['model']}\n"
+        f"              then GET /runs/{s['run_id']} (admin token) or open the web page it prints"
     )
+
+
+def _rlgateway() -> str:
+    """The command as this interpreter's venv has it, so a pasted line runs this install."""
+    import shutil
+    import sys
+
+    beside = Path(sys.executable).with_name("rlgateway")
+    if beside.is_file():
+        return str(beside)
+    return shutil.which("rlgateway") or f"{sys.executable} -m rlgateway.cli"

@@ -23,6 +23,7 @@ from typing import Any
 from rlgateway.demo.harness import Agents
 from rlgateway.demo.report import Progress, summarize, write_outputs
 from rlgateway.demo.task import LONGEST_ANSWER, MAX_TOKENS, all_problems
+from store.types import RunStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +48,7 @@ class DemoOptions:
 
 
 def train_config(o: DemoOptions, run_id: str, database_url: str) -> Any:
-    from trainer.config import TrainConfig, apply_overrides
+    from trainer.config import apply_overrides, validate_config
 
     data: dict[str, Any] = {
         "run": run_id,
@@ -70,7 +71,11 @@ def train_config(o: DemoOptions, run_id: str, database_url: str) -> Any:
         # DAPO's overlong penalty must spare every right answer: the longest is LONGEST_ANSWER
         # tokens (seven letters and the end token), so only the tokens past it are penalised.
         data["algo"] = {"overlong_buffer": MAX_TOKENS - LONGEST_ANSWER}
-    return TrainConfig.model_validate(apply_overrides(data, list(o.overrides)))
+    try:
+        data = apply_overrides(data, list(o.overrides))
+    except ValueError as exc:
+        raise ValueError(f"override: {exc}") from None
+    return validate_config(data, "override")
 
 
 async def run_demo(o: DemoOptions) -> dict[str, Any]:
@@ -159,12 +164,19 @@ async def run_demo(o: DemoOptions) -> dict[str, Any]:
         steps = trainer.trainer.backend.step if trainer is not None else 0
         if trainer is not None:
             await trainer.stop()
+        # the demo is over, and so is its run: it takes no new sessions, and nothing trains it
+        await c.store.set_run_status(run.id, RunStatus.STOPPED)
         server.should_exit = True
         await serving
         await c.engine.close()
         await c.store.close()
     summary = summarize(progress.rows, trained=o.train, seconds=seconds, steps=steps)
-    summary |= {"run_id": run.id, "database_url": database_url, "model": str(o.model_dir)}
+    summary |= {
+        "run_id": run.id,
+        "database_url": database_url,
+        "model": str(o.model_dir),
+        "checkpoints": str(o.out / "checkpoints") if o.train else None,
+    }
     title = f"rlgateway demo: {o.algorithm if o.train else 'no training'}, seed {o.seed}"
     summary["png"] = str(write_outputs(o.out, summary, title))
     return summary

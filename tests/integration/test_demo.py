@@ -57,6 +57,10 @@ def test_demo_trains_and_reports(tmp_path: Path) -> None:
     assert "time episodes  reward version" in stdout
     assert f"GET /runs/{summary['run_id']}" in stdout
 
+    with sqlite3.connect(tmp_path / "demo.db") as db:
+        [(status,)] = db.execute("SELECT status FROM runs WHERE id = ?", (summary["run_id"],))
+    assert status == "stopped", "the demo's run ends with the demo"
+
     rows = sessions(tmp_path, summary["run_id"])
     consumed = [r for r in rows if r[1] == "consumed"]
     assert len(consumed) >= 3 * 8, "three steps of two groups of four"
@@ -88,6 +92,11 @@ def test_demo_without_training_is_the_control(tmp_path: Path) -> None:
         (["--algorithm", "nope"], "unknown --algorithm 'nope'"),
         (["--engine", "vllm"], "--engine vllm needs --model DIR"),
         (["--model", "/nonexistent"], "is not a Hugging Face model directory"),
+        # a run-config override: the key, what is wrong, what is allowed; before the warm start
+        (["optim.lrr=1"], "override: optim.lrr: unknown key (known here: lr, weight_decay"),
+        (["eta=-1"], "override: eta: Input should be greater than or equal to 0 (got -1)"),
+        (["partial_groups=x"], "Input should be 'wait', 'drop' or 'use' (got 'x')"),
+        (["lr"], "override: override 'lr' is not KEY=VALUE"),
     ],
 )
 def test_demo_rejects_bad_flags_before_loading_anything(
@@ -102,4 +111,6 @@ def test_demo_rejects_bad_flags_before_loading_anything(
     )
     assert proc.returncode == 2
     assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "warm start" not in proc.stdout
     assert not (tmp_path / "demo-out").exists()
