@@ -57,6 +57,28 @@ async def test_runs_lifecycle(engine: LocalEngine, tiny_model: Path, tmp_path: P
         assert (await c.http.delete(f"/runs/{run['id']}", headers=ADMIN)).status_code == 404
 
 
+async def test_a_run_config_is_the_trainers_and_a_bad_one_says_which_key(
+    engine: LocalEngine,  # noqa: F811
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    async with app_client(engine, tiny_model, f"sqlite:///{tmp_path / 'a.db'}") as c:
+        for config, message in (
+            ({"eta": -1}, "config.eta: Input should be greater than or equal to 0 (got -1)"),
+            ({"optim": {"lrr": 1}}, "config.optim.lrr: unknown key (known here: lr,"),
+            ({"algo": {"eps_low": 2}}, "config: algo.eps_low: Input should be less than 1"),
+            ({"batch_size": 3, "group_size": 2}, "must be a multiple of group_size"),
+        ):
+            r = await c.http.post("/runs", json={"name": "x", "config": config}, headers=ADMIN)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert message in error["message"]
+            assert error["param"] == "config"
+        assert (await c.http.get("/runs", headers=ADMIN)).json()["runs"] == []
+        run = await c.run({"algorithm": "dapo", "optim": {"lr": 1e-4}})
+        assert run["config"] == {"algorithm": "dapo", "optim": {"lr": 1e-4}}
+
+
 async def test_session_browser_filters_and_pages(
     engine: LocalEngine,  # noqa: F811
     tiny_model: Path,
