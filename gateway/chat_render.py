@@ -1,4 +1,5 @@
-"""Messages to token ids and back: the gateway owns tokenization (DESIGN.md, token truth).
+"""Messages to token ids and back: the gateway owns tokenization (docs/architecture.md,
+"Contracts": token truth).
 
 - `normalize_messages` turns OpenAI messages into the plain dicts that are rendered and compared
   (tool-call arguments parsed to objects, ids dropped, content flattened to text), so that an agent

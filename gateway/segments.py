@@ -1,4 +1,4 @@
-"""Which segment a request extends (DESIGN.md, multi-turn).
+"""Which segment a request extends (docs/architecture.md, "Contracts": multi-turn).
 
 A session is a list of segments, each a token-exact training sequence with a transcript: the
 messages (and tools) of its last request plus the reply the gateway produced. A request whose

@@ -10,35 +10,20 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlgateway.errors import CLIError
+
+if TYPE_CHECKING:
+    from rlgateway.demo.run import DemoOptions
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
     _check(args)
-    from rlgateway.demo.run import DemoOptions, run_demo, train_config
+    from rlgateway.demo.run import run_demo, train_config
 
     out = Path(args.out)
-    options = DemoOptions(
-        model_dir=Path(args.model or "."),  # the warm start's, once it exists
-        out=out,
-        train=not args.no_train,
-        minutes=args.minutes,
-        seed=args.seed,
-        algorithm=args.algorithm,
-        lr=args.lr,
-        group_size=args.group_size,
-        groups_per_step=args.groups_per_step,
-        eta=args.eta,
-        workers=args.workers,
-        overrides=tuple(args.overrides),
-        engine={
-            "engine": args.engine,
-            "engine_urls": args.engine_urls,
-            "engine_launch": args.engine_launch,
-            "vllm_python": args.vllm_python,
-        },
-    )
+    options = demo_options(args)
     if options.train:  # a bad override fails now, before the warm start and before any file
         try:
             train_config(options, "", "sqlite:///:memory:")
@@ -75,6 +60,33 @@ def run_demo_command(args: argparse.Namespace) -> int:
     summary = asyncio.run(run_demo(options))
     _print_summary(summary, out)
     return 0
+
+
+def demo_options(args: argparse.Namespace) -> DemoOptions:
+    """The demo's options from its flags; the policy is `--model`, or the warm start's once it
+    exists (`model_dir` is replaced then)."""
+    from rlgateway.demo.run import DemoOptions
+
+    return DemoOptions(
+        model_dir=Path(args.model or "."),
+        out=Path(args.out),
+        train=not args.no_train,
+        minutes=args.minutes,
+        seed=args.seed,
+        algorithm=args.algorithm,
+        lr=args.lr,
+        group_size=args.group_size,
+        groups_per_step=args.groups_per_step,
+        eta=args.eta,
+        workers=args.workers,
+        overrides=tuple(args.overrides),
+        engine={
+            "engine": args.engine,
+            "engine_urls": args.engine_urls,
+            "engine_launch": args.engine_launch,
+            "vllm_python": args.vllm_python,
+        },
+    )
 
 
 def _check(args: argparse.Namespace) -> None:

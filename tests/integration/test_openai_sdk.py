@@ -558,7 +558,7 @@ def test_edited_history_opens_a_new_segment(tiny_gw: GatewayHandle) -> None:
 @pytest.mark.parametrize("route", ["chat/completions", "completions"])
 def test_disconnected_stream_is_recorded_as_aborted(tiny_gw: GatewayHandle, route: str) -> None:
     """The client reads a few chunks and hangs up: the turn is committed with what was sampled
-    until then, finish_reason "abort" (DESIGN.md: nothing generated is lost)."""
+    until then, finish_reason "abort" (nothing generated is lost)."""
     s = tiny_gw.new_session()
     body: dict[str, Any] = {"model": "tiny", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     if route == "completions":

@@ -2,7 +2,8 @@
 
 SGLang has no CPU build on PyPI, so the adapter is tested against this server, which reproduces
 the request and response shapes of `/generate` and the control endpoints as SGLang documents
-them (`../shared/reference/engine-apis.md` sections 5-6) and generates with the tiny model
+them (the native API reference: `/generate`, `update_weights_from_disk`, pause and
+continue generation, flush cache) and generates with the tiny model
 through transformers, so tokens and logprobs are real:
 
 - `/generate`: `input_ids`, `sampling_params` (max_new_tokens, min_new_tokens, temperature, top_p,

@@ -85,3 +85,19 @@ def test_the_web_service_and_the_config_import_no_torch(modules: str) -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_no_file_cites_a_path_outside_the_repository() -> None:
+    """The design lives in docs/architecture.md; nothing points at the brief it started from."""
+    outside = ("../" + "shared", "DESIGN" + ".md")
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    cited = []
+    for name in filter(None, files):
+        path = ROOT / name.decode()
+        if not path.is_file():
+            continue  # deleted in the work tree, not yet in the index
+        text = path.read_bytes().decode(errors="replace")
+        cited += [f"{name.decode()}: {word}" for word in outside if word in text]
+    assert cited == []
