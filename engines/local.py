@@ -64,6 +64,9 @@ class LocalEngineConfig:
     """Sequences decoded together; more wait for a free slot."""
     max_model_len: int | None = None
     """Context length (prompt + output); None uses the model's max_position_embeddings."""
+    version: int = 0
+    """The policy version of the model's weights: tokens sampled before the first weight update
+    carry it, and updates must be newer (`engines.policy.served_version` reads an export's)."""
 
 
 @dataclass(slots=True)
@@ -133,7 +136,7 @@ class LocalEngine:
         self.stats = EngineStats()
         self._rng = torch.Generator(device=self.runner.device)
         self._rng.manual_seed(secrets.randbits(63))
-        self._version = 0
+        self._version = config.version
         self._cv = threading.Condition()
         self._waiting: list[_Seq] = []
         self._running: list[_Seq] = []

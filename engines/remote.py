@@ -77,6 +77,18 @@ class RemoteEngineConfig:
     """When set, prompt ids outside [0, vocab_size) are refused before they reach the server."""
     timeout: float = 600.0
     """Seconds one HTTP read may wait (a generation streams, so this bounds silence)."""
+    version: int = 0
+    """The policy version of the weights the server was started with (an export's, see
+    `engines.policy`). A server that an earlier update labelled (`labelled_version`) reports its
+    label instead: it no longer serves the weights it started with."""
+
+
+def labelled_version(label: object, started: int) -> int:
+    """The version a server serves: its weight-version label where an update through an adapter
+    set one (an integer), else `started`. vLLM and SGLang label a server that no update reached
+    "default"."""
+    text = str(label)
+    return int(text) if text.isdigit() else started
 
 
 class ServerPaused(Exception):

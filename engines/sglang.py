@@ -23,7 +23,7 @@ from typing import Any
 from engines.base import FinishReason, SamplingParams, WeightUpdate
 from engines.errors import EngineUnavailableError, WeightUpdateError
 from engines.http import EngineHTTP, Reply, raise_for_status
-from engines.remote import Piece, RemoteEngine, RemoteEngineConfig
+from engines.remote import Piece, RemoteEngine, RemoteEngineConfig, labelled_version
 
 _FINISH = {
     "stop": FinishReason.STOP,
@@ -55,12 +55,10 @@ class SGLangEngine(RemoteEngine):
         except BaseException:
             await http.close()
             raise
-        label = str(info.json().get("weight_version", ""))
-        version = int(label) if label.isdigit() else 0
         return cls(
             config.url,
             max_model_len=max_len,
-            version=version,
+            version=labelled_version(info.json().get("weight_version"), config.version),
             vocab_size=config.vocab_size,
             timeout=config.timeout,
             http=http,

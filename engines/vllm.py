@@ -36,7 +36,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from engines.base import FinishReason, SamplingParams, WeightUpdate
 from engines.errors import EngineUnavailableError, WeightUpdateError
 from engines.http import EngineHTTP, Reply, raise_for_status
-from engines.remote import Piece, RemoteEngine, RemoteEngineConfig, ServerPaused
+from engines.remote import (
+    Piece,
+    RemoteEngine,
+    RemoteEngineConfig,
+    ServerPaused,
+    labelled_version,
+)
 
 if TYPE_CHECKING:
     from engines.vllm_launch import VLLMServer
@@ -96,7 +102,7 @@ class VLLMEngine(RemoteEngine):
     @classmethod
     async def connect(cls, config: VLLMEngineConfig) -> VLLMEngine:
         """Ask the server for its model, context length, weight version (an integer label set
-        by an earlier update is adopted; anything else counts as version 0) and, with
+        by an earlier update is adopted; otherwise the server is at `config.version`) and, with
         `api="auto"`, whether it offers `/inference/v1/generate`."""
         http = EngineHTTP(config.url, timeout=config.timeout)
         try:
@@ -124,10 +130,9 @@ class VLLMEngine(RemoteEngine):
                     f"{http.base_url} serves {names}, not {config.model!r}"
                 )
             card = cards[0]
-        version = 0
+        version = config.version
         if info.status == 200:
-            label = str(info.json().get("weight_version", ""))
-            version = int(label) if label.isdigit() else 0
+            version = labelled_version(info.json().get("weight_version"), config.version)
         return cls(config, card["id"], int(card["max_model_len"]), version, api=api, http=http)
 
     async def close(self) -> None:

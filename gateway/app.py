@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 
 
 async def load_components(settings: GatewaySettings) -> Components:
-    """The local engine on the configured model (the tiny model by default), in its own process
-    unless `settings.engine_process` is off, and the store."""
+    """The local engine on the configured model (the tiny model by default) at its policy version
+    (`engines.policy.served_version`), in its own process unless `settings.engine_process` is
+    off, and the store."""
     import asyncio
 
     if settings.engine != "local":
@@ -49,6 +50,7 @@ async def load_components(settings: GatewaySettings) -> Components:
         return await load_remote_components(settings)
 
     from engines.local import LocalEngine, LocalEngineConfig
+    from engines.policy import served_version
     from engines.process import ProcessEngine
     from engines.tiny_model import load_tokenizer, tiny_model_dir
 
@@ -58,6 +60,7 @@ async def load_components(settings: GatewaySettings) -> Components:
         device=settings.device,
         max_batch=settings.max_batch,
         max_model_len=settings.max_model_len,
+        version=served_version(model_dir, settings.policy_version),
     )
     engine: LocalEngine | ProcessEngine
     if settings.engine_process:

@@ -1,7 +1,8 @@
 """Gateway components on vLLM/SGLang servers (`rlgateway serve --engine vllm|sglang`).
 
 The gateway still owns tokenization: it loads the tokenizer (and the end-of-turn ids) from the
-model directory (`--model`, else the tiny model), which must be the model the servers serve.
+model directory (`--model`, else the tiny model), which must be the model the servers serve; the
+servers start at that directory's policy version (`engines.policy.served_version`).
 With `--engine-launch` it starts and supervises a local vLLM server on that directory first.
 """
 
@@ -33,13 +34,15 @@ def eos_token_ids(model_dir: Path) -> frozenset[int]:
 
 
 async def connect_engine(settings: GatewaySettings, model_dir: Path, vocab_size: int) -> Engine:
+    from engines.policy import served_version
     from engines.servers import connect_servers
 
     # httpx logs every request at INFO, and the vLLM launcher polls /health with it each second.
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
+    version = served_version(model_dir, settings.policy_version)
     if not settings.engine_launch:
-        return await connect_servers(settings.engine, settings.engine_urls, vocab_size)
+        return await connect_servers(settings.engine, settings.engine_urls, vocab_size, version)
     from engines.vllm import VLLMEngine, VLLMEngineConfig
     from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
 
@@ -53,7 +56,9 @@ async def connect_engine(settings: GatewaySettings, model_dir: Path, vocab_size:
     server = VLLMServer(cfg)
     await server.start()
     try:
-        engine = await VLLMEngine.connect(VLLMEngineConfig(url=server.url, vocab_size=vocab_size))
+        engine = await VLLMEngine.connect(
+            VLLMEngineConfig(url=server.url, vocab_size=vocab_size, version=version)
+        )
     except BaseException:
         await server.stop()
         raise

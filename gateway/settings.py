@@ -46,6 +46,11 @@ class GatewaySettings(BaseSettings):
     """Start and supervise a local vLLM server on `model` (needs `vllm_python`)."""
     vllm_python: str | None = None
     """The interpreter of a venv with vLLM, for `engine_launch` (default: this one)."""
+    policy_version: int | None = Field(None, ge=0)
+    """The policy version of the model's weights, which the tokens sampled before the first
+    weight update carry; None: the model directory's `rlgateway_policy.json` version (written by
+    `rlgateway export-model`), else 0. A vLLM/SGLang server that an earlier weight update
+    labelled with an integer version keeps that label."""
 
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")

@@ -112,6 +112,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     serve.add_argument("--vllm-python", help="Python of a venv with vLLM, for --engine-launch")
     serve.add_argument(
+        "--policy-version",
+        type=int,
+        metavar="N",
+        help="the policy version of --model's weights, which tokens sampled before any weight "
+        "update carry (default: its rlgateway_policy.json, written by export-model, else 0; a "
+        "vLLM/SGLang server that a weight update labelled keeps its label)",
+    )
+    serve.add_argument(
         "--train", action="store_true", help="also run the trainer in this process (embedded)"
     )
     serve.add_argument("--config", help="run config (YAML) for --train")
@@ -197,6 +205,31 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
 
 
+def _add_export_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    export = sub.add_parser(
+        "export-model",
+        help="write a trained checkpoint as a Hugging Face model directory",
+        description="Write the policy of a training checkpoint as a Hugging Face model directory "
+        "that transformers and vLLM load: model.safetensors (the checkpoint's weights, in its "
+        "dtype) with the base model's config, tokenizer, chat template and generation config, "
+        "plus rlgateway_policy.json with the policy version the checkpoint publishes; "
+        "`rlgateway serve --model OUT_DIR` serves it at that version. Reads only the model's "
+        "weights (not the optimizer state). SOURCE is a checkpoint directory "
+        "(checkpoint_dir/step-000042), a run's checkpoint_dir (its newest complete checkpoint), "
+        "a `rlgateway demo --out` directory, or a run config YAML (its checkpoint_dir).",
+    )
+    export.add_argument(
+        "source", metavar="SOURCE", help="checkpoint, checkpoint_dir, demo --out or run YAML"
+    )
+    export.add_argument("out_dir", metavar="OUT_DIR", help="output directory (missing or empty)")
+    export.add_argument(
+        "--model",
+        metavar="DIR",
+        help="the base model directory the run trained (default: the one the checkpoint records)",
+    )
+    export.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+
+
 def _add_db_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     db = sub.add_parser("db", help="create or upgrade the trajectory store's schema")
     db_sub = db.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
@@ -224,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_train_parser(sub)
     _add_demo_parser(sub)
+    _add_export_model_parser(sub)
     _add_db_parser(sub)
     return parser
 
@@ -260,6 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from rlgateway.commands.demo import run_demo_command
 
             return run_demo_command(args)
+        if args.command == "export-model":
+            from rlgateway.commands.export_model import run_export_model
+
+            return run_export_model(args)
         if args.command == "db":
             from rlgateway.commands.db import run_db
 

@@ -2,12 +2,14 @@
 
 `checkpoint_dir/step-000007/` holds the backend's state (model, optimizer, schedule, step), the
 critic's in `critic/` when one is trained (PPO), and `rlgateway.json`: the step, the policy
-version it publishes, and the ids of the sessions that step trained. It is written to a `.tmp`
-directory and renamed, so a checkpoint exists whole or not at all. The order of a step is: train,
-save the checkpoint, mark its sessions consumed, publish. A trainer killed between saving and
-marking finds the ids in the newest checkpoint when it resumes and settles them as consumed:
-nothing is trained twice. Killed before saving, the step never happened: its sessions return to
-the queue when their lease expires and are trained later.
+version it publishes (the trainer publishes step N's weights as version N), the base model
+directory the run trained (whose config and tokenizer describe the weights; checkpoints written
+before it was recorded lack it), and the ids of the sessions that step trained. It is written to
+a `.tmp` directory and renamed, so a checkpoint exists whole or not at all. The order of a step
+is: train, save the checkpoint, mark its sessions consumed, publish. A trainer killed between
+saving and marking finds the ids in the newest checkpoint when it resumes and settles them as
+consumed: nothing is trained twice. Killed before saving, the step never happened: its sessions
+return to the queue when their lease expires and are trained later.
 """
 
 from __future__ import annotations
@@ -31,10 +33,34 @@ class CheckpointMeta:
     """Sessions trained by this step."""
     dropped: list[str]
     """Sessions left out on purpose (stale, filtered) while forming this step."""
+    model: str | None = None
+    """The base model directory the run trained, absolute; None in a checkpoint written before
+    it was recorded. `save` records the backend's."""
+
+    @property
+    def version(self) -> int:
+        """The policy version this checkpoint's weights are published as."""
+        return self.step
 
 
 def _name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether `path` is a complete checkpoint directory (its `rlgateway.json` is written last)."""
+    return (path / META).is_file()
+
+
+def read_meta(path: Path) -> CheckpointMeta:
+    """The meta of the checkpoint directory `path` (see `is_checkpoint`)."""
+    data = json.loads((path / META).read_text())
+    return CheckpointMeta(
+        int(data["step"]),
+        list(data["consumed"]),
+        list(data.get("dropped", [])),
+        data.get("model"),
+    )
 
 
 def latest(root: Path) -> tuple[Path, CheckpointMeta] | None:
@@ -43,14 +69,11 @@ def latest(root: Path) -> tuple[Path, CheckpointMeta] | None:
         return None
     found = []
     for d in root.iterdir():
-        meta = d / META
-        if d.name.startswith("step-") and not d.name.endswith(".tmp") and meta.is_file():
-            data = json.loads(meta.read_text())
-            found.append((int(data["step"]), d, data))
+        if d.name.startswith("step-") and not d.name.endswith(".tmp") and is_checkpoint(d):
+            found.append((d, read_meta(d)))
     if not found:
         return None
-    step, path, data = max(found, key=lambda x: x[0])
-    return path, CheckpointMeta(step, list(data["consumed"]), list(data.get("dropped", [])))
+    return max(found, key=lambda x: x[1].step)
 
 
 def save(
@@ -63,7 +86,8 @@ def save(
     critic: ValueBackend | None = None,
 ) -> Path:
     """Write the checkpoint of `meta.step` atomically (with the critic's state, if one is given,
-    in its `critic/` subdirectory); keep the newest `keep`."""
+    in its `critic/` subdirectory); keep the newest `keep`. The meta records `backend.model_dir`
+    as the base model unless `meta.model` is set."""
     final = root / _name(meta.step)
     tmp = root / (_name(meta.step) + ".tmp")
     if is_writer:
@@ -73,8 +97,17 @@ def save(
     if critic is not None:
         critic.save(tmp / CRITIC)
     if is_writer:
+        model = meta.model or str(backend.model_dir.resolve())
         (tmp / META).write_text(
-            json.dumps({"step": meta.step, "consumed": meta.consumed, "dropped": meta.dropped})
+            json.dumps(
+                {
+                    "step": meta.step,
+                    "version": meta.version,
+                    "model": model,
+                    "consumed": meta.consumed,
+                    "dropped": meta.dropped,
+                }
+            )
         )
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

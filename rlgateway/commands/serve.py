@@ -37,6 +37,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "engine_urls": args.engine_urls,
             "engine_launch": args.engine_launch,
             "vllm_python": args.vllm_python,
+            "policy_version": args.policy_version,
         }.items()
         if v is not None
     }

@@ -24,9 +24,10 @@ from engines.vllm import GENERATE, VLLMEngine, VLLMEngineConfig
 
 class FakeVLLM:
     """vLLM 0.33's pause semantics: a generation that arrives while paused gets 503. With
-    `scale_out=False` the generate route answers 403, as a server without --enable-scale-out."""
+    `scale_out=False` the generate route answers 403, as a server without --enable-scale-out.
+    `weight_version` is the label `/weight_info` reports ("default" before any update)."""
 
-    def __init__(self, *, scale_out: bool = True) -> None:
+    def __init__(self, *, scale_out: bool = True, weight_version: str = "3") -> None:
         self.paused = False
         self.calls: list[tuple[str, Any]] = []
         self.client_ports: list[int] = []
@@ -54,7 +55,7 @@ class FakeVLLM:
 
         @app.get("/weight_info")
         async def weight_info() -> dict[str, Any]:
-            return {"weight_version": "3"}
+            return {"weight_version": weight_version}
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Any:

@@ -32,6 +32,9 @@ class TrainBackend(Protocol):
     """A trainable policy. `step` counts optimizer steps taken (restored by `load`)."""
 
     step: int
+    model_dir: Path
+    """The Hugging Face directory the policy was loaded from: its config and tokenizer describe
+    the trained weights too (checkpoints record it, so an export can find them)."""
 
     def forward_logprobs(
         self, seqs: Sequence[TrainSequence], temperature: float, *, token_budget: int = 8192

@@ -152,6 +152,7 @@ class FSDPBackend:
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         )
+        self.model_dir = Path(model_dir)
         torch.manual_seed(seed)  # for models whose config enables dropout
 
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]

@@ -1,0 +1,71 @@
+"""`rlgateway serve --model EXPORT` on the local engine serves the trained policy at its version:
+a real gateway (the engine in its own process, the default, and `--in-process-engine`) records
+sampled tokens whose logprobs are the trainer's teacher-forced ones and whose version is the
+export's (or `--policy-version`'s), and `/health` says so; editing the export's version file
+changes the version its tokens carry."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engines.base import GenerateRequest, SamplingParams, collect
+from engines.local import LocalEngine, LocalEngineConfig
+from engines.policy import PolicyFile, read_policy, served_version
+from tests.integration.exported_policy import (
+    VERSION,
+    Exported,
+    export_trained,
+    max_gap_to_the_trainer,
+    record_turn,
+)
+from tests.integration.gateway_server import run_gateway
+
+pytestmark = pytest.mark.slow
+
+TEMPERATURE = 0.8
+PARITY = 1e-4
+"""The local engine's float32 forward (its own KV-cache kernels) vs the trainer's."""
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    return export_trained(tiny_model, tmp_path_factory.mktemp("exported"))
+
+
+@pytest.mark.parametrize(
+    ("args", "version"),
+    [((), VERSION), (("--in-process-engine", "--policy-version", "7"), 7)],
+    ids=["engine-process", "in-process-override"],
+)
+def test_the_gateway_records_the_exported_policy_at_its_version(
+    exported: Exported, tmp_path: Path, args: tuple[str, ...], version: int
+) -> None:
+    with run_gateway(exported.out, tmp_path, extra_args=args) as gw:
+        health = httpx.get(f"{gw.url}/health", timeout=10).json()
+        assert (health["ok"], health["version"]) == (True, version)
+        segment = record_turn(gw, TEMPERATURE)
+    sampled = [v for v, m in zip(segment["versions"], segment["loss_mask"], strict=True) if m]
+    assert sampled == [version] * len(sampled)
+    gap = max_gap_to_the_trainer(exported, segment, TEMPERATURE)
+    assert gap <= PARITY, f"max |engine - trainer| logprob = {gap:.2e}"
+
+
+async def test_the_exports_version_file_sets_the_version_its_tokens_carry(
+    exported: Exported, tmp_path: Path
+) -> None:
+    edited = tmp_path / "edited"
+    shutil.copytree(exported.out, edited)
+    policy = read_policy(edited)
+    assert policy is not None
+    PolicyFile(version=12, step=policy.step, source=policy.source).write(edited)
+    engine = LocalEngine.load(LocalEngineConfig(model=str(edited), version=served_version(edited)))
+    try:
+        sampling = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=TEMPERATURE)
+        r = await collect(engine, GenerateRequest(prompt_ids=(1, 2, 3), sampling=sampling))
+    finally:
+        await engine.close()
+    assert r.versions == (12,) * 4
