@@ -56,6 +56,14 @@ def test_demo_trains_and_reports(tmp_path: Path) -> None:
     assert (tmp_path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "time episodes  reward version" in stdout
     assert f"GET /runs/{summary['run_id']}" in stdout
+    # the closing lines say how to get the trained policy out: the printed command works
+    [export] = [line.split() for line in stdout.splitlines() if " export-model " in line]
+    assert Path(export[0]).is_file(), "the command is given by its path in this venv"
+    done = subprocess.run(export, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    policy = json.loads((tmp_path / "model" / "rlgateway_policy.json").read_text())
+    assert policy["version"] == 3, "the newest checkpoint's policy"
+    assert f"serve --model {tmp_path / 'model'} --database-url" in stdout
 
     with sqlite3.connect(tmp_path / "demo.db") as db:
         [(status,)] = db.execute("SELECT status FROM runs WHERE id = ?", (summary["run_id"],))
