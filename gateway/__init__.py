@@ -1,1 +1,2 @@
-"""The OpenAI-compatible gateway: routes, sessions, rewards, admin API and the `rlgateway` CLI."""
+"""The OpenAI-compatible gateway as an HTTP service: routes, sessions, rewards, admin API, web
+page. It imports no trainer module; `rlgateway/` composes it with the trainer."""
