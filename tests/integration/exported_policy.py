@@ -17,9 +17,9 @@ import httpx
 
 from rlgateway.cli import main
 from tests.integration import fsdp_worker
+from tests.support.teacher import teacher_forced
 from trainer import checkpoint
 from trainer.backends.fsdp import FSDPBackend
-from trainer.batch import TrainSequence
 
 if TYPE_CHECKING:
     from tests.integration.gateway_server import GatewayHandle
@@ -41,15 +41,7 @@ class Exported:
 
     def logprobs(self, tokens: list[int], temperature: float) -> list[float]:
         """The trainer's teacher-forced logprob of every token (entry 0 is 0)."""
-        n = len(tokens)
-        seq = TrainSequence(
-            tokens=tokens,
-            loss_mask=[0] * n,
-            behav_logprobs=[0.0] * n,
-            advantages=[0.0] * n,
-            versions=[-1] * n,
-        )
-        return self.backend.forward_logprobs([seq], temperature)[0]
+        return teacher_forced(self.backend, tokens, temperature)
 
 
 def export_trained(model_dir: Path, tmp: Path) -> Exported:
@@ -98,3 +90,17 @@ def max_gap_to_the_trainer(
         for i, (lp, m) in enumerate(zip(segment["logprobs"], segment["loss_mask"], strict=True))
         if m
     )
+
+
+def check_recorded_at(
+    exported: Exported, gw: GatewayHandle, version: int, temperature: float, parity: float
+) -> None:
+    """A gateway serving the export reports `version`, and a turn it records carries `version`
+    on every sampled token, with logprobs within `parity` of the trained policy's."""
+    health = httpx.get(f"{gw.url}/health", timeout=10).json()
+    assert (health["ok"], health["version"]) == (True, version)
+    segment = record_turn(gw, temperature)
+    sampled = [v for v, m in zip(segment["versions"], segment["loss_mask"], strict=True) if m]
+    assert sampled == [version] * len(sampled)
+    gap = max_gap_to_the_trainer(exported, segment, temperature)
+    assert gap <= parity, f"max |engine - trainer| logprob = {gap:.2e}"

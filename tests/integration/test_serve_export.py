@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import httpx
 import pytest
 
 from engines.base import GenerateRequest, SamplingParams, collect
@@ -18,9 +17,8 @@ from engines.policy import PolicyFile, read_policy, served_version
 from tests.integration.exported_policy import (
     VERSION,
     Exported,
+    check_recorded_at,
     export_trained,
-    max_gap_to_the_trainer,
-    record_turn,
 )
 from tests.integration.gateway_server import run_gateway
 
@@ -45,13 +43,7 @@ def test_the_gateway_records_the_exported_policy_at_its_version(
     exported: Exported, tmp_path: Path, args: tuple[str, ...], version: int
 ) -> None:
     with run_gateway(exported.out, tmp_path, extra_args=args) as gw:
-        health = httpx.get(f"{gw.url}/health", timeout=10).json()
-        assert (health["ok"], health["version"]) == (True, version)
-        segment = record_turn(gw, TEMPERATURE)
-    sampled = [v for v, m in zip(segment["versions"], segment["loss_mask"], strict=True) if m]
-    assert sampled == [version] * len(sampled)
-    gap = max_gap_to_the_trainer(exported, segment, TEMPERATURE)
-    assert gap <= PARITY, f"max |engine - trainer| logprob = {gap:.2e}"
+        check_recorded_at(exported, gw, version, TEMPERATURE, PARITY)
 
 
 async def test_the_exports_version_file_sets_the_version_its_tokens_carry(

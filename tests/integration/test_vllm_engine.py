@@ -30,6 +30,7 @@ from engines.tiny_model import load_tokenizer
 from engines.vllm import VLLMEngine, VLLMEngineConfig
 from tests.integration.gateway_server import GatewayHandle, run_gateway
 from tests.integration.vllm_server import needs_vllm
+from tests.support.teacher import teacher_forced
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, needs_vllm]
 
@@ -232,21 +233,6 @@ def train_once(model_dir: Path) -> tuple[Any, dict[str, Any]]:
     return backend, backend.full_state_dict()
 
 
-def forward(backend: Any, tokens: list[int], temperature: float) -> list[float]:
-    from trainer.batch import TrainSequence
-
-    n = len(tokens)
-    seq = TrainSequence(
-        tokens=tokens,
-        loss_mask=[0] * n,
-        behav_logprobs=[0.0] * n,
-        advantages=[0.0] * n,
-        versions=[-1] * n,
-    )
-    out: list[float] = backend.forward_logprobs([seq], temperature)[0]
-    return out
-
-
 def test_trained_weights_hot_swap_into_vllm_under_a_streaming_request(
     gateway: GatewayHandle, tiny_model: Path, vllm_url: str, tmp_path: Path
 ) -> None:
@@ -379,7 +365,7 @@ def check_swapped_session(
     # per-span versions, in order
     assert versions == [version - 1] * swap + [version] * (end - start - swap)
     old = trainer_logprobs(tiny_model, seg["tokens"], 1.0)
-    new = forward(backend, seg["tokens"], 1.0)
+    new = teacher_forced(backend, seg["tokens"], 1.0)
     recorded = seg["logprobs"]
     gap_old = max_gap(recorded[start : start + swap], old[start : start + swap])
     gap_new = max_gap(recorded[start + swap : end], new[start + swap : end])
@@ -398,5 +384,5 @@ def check_swapped_session(
 
     adopted, logprobs, tokens = asyncio.run(after())
     assert adopted == version  # a new adapter adopts the server's weight version label
-    gap = max_gap(logprobs, forward(backend, tokens, TEMPERATURE)[3:])
+    gap = max_gap(logprobs, teacher_forced(backend, tokens, TEMPERATURE)[3:])
     assert gap <= PARITY, f"after the swap: max |vLLM - trainer| logprob = {gap:.2e}"

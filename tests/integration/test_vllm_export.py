@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from engines.base import FinishReason, GenerateRequest, SamplingParams, collect
@@ -22,9 +21,8 @@ from engines.vllm import VLLMEngine, VLLMEngineConfig
 from tests.integration.exported_policy import (
     VERSION,
     Exported,
+    check_recorded_at,
     export_trained,
-    max_gap_to_the_trainer,
-    record_turn,
 )
 from tests.integration.gateway_server import run_gateway
 from tests.integration.vllm_server import needs_vllm, start_vllm_server
@@ -82,10 +80,4 @@ def test_the_gateway_on_vllm_records_the_exported_version(
 ) -> None:
     engine_args = ("--engine", "vllm", "--engine-url", export_url, *args)
     with run_gateway(exported.out, tmp_path, extra_args=engine_args) as gw:
-        health = httpx.get(f"{gw.url}/health", timeout=10).json()
-        assert (health["ok"], health["version"]) == (True, version)
-        segment = record_turn(gw, TEMPERATURE)
-    sampled = [v for v, m in zip(segment["versions"], segment["loss_mask"], strict=True) if m]
-    assert sampled == [version] * len(sampled)
-    gap = max_gap_to_the_trainer(exported, segment, TEMPERATURE)
-    assert gap <= PARITY, f"max |vLLM - trainer| logprob = {gap:.2e}"
+        check_recorded_at(exported, gw, version, TEMPERATURE, PARITY)
