@@ -87,7 +87,8 @@ class EngineHTTP:
     def __init__(self, base_url: str, *, timeout: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._draining: set[asyncio.Task[None]] = set()
+        self._draining: dict[asyncio.Task[None], aiohttp.ClientResponse] = {}
+        """Bodies being read to their end in the background, by the task reading each."""
         self._pooled: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
         """Opens a new connection for every request: for the resend of a request whose kept-alive
@@ -182,13 +183,21 @@ class EngineHTTP:
             response.release()
         else:
             task = asyncio.create_task(_drain(response))
-            self._draining.add(task)
-            task.add_done_callback(self._draining.discard)
+            self._draining[task] = response
+            task.add_done_callback(self._drained)
+
+    def _drained(self, task: asyncio.Task[None]) -> None:
+        self._draining.pop(task, None)
 
     async def close(self) -> None:
-        for task in list(self._draining):
+        draining = dict(self._draining)
+        for task in draining:
             task.cancel()
-        await asyncio.gather(*self._draining, return_exceptions=True)
+        await asyncio.gather(*draining, return_exceptions=True)
+        # A task cancelled before its first step never ran `_drain`: close its response here,
+        # or its connection is left to the garbage collector (an "Unclosed connection").
+        for response in draining.values():
+            response.close()
         for session in (self._pooled, self._fresh):
             if session is not None:
                 await session.close()

@@ -129,6 +129,26 @@ async def test_a_caller_that_leaves_at_done_is_not_kept_waiting_and_an_abort_clo
             await http.close()
 
 
+async def test_closing_right_after_a_caller_left_at_done_leaves_no_response_open() -> None:
+    """The background read of the body's rest may not have started when the client is closed
+    (its task, cancelled before its first step, never runs): close still closes that response.
+    Left open, its connection went to the garbage collector, which warned "Unclosed connection"
+    in whatever test ran then (a CI failure once)."""
+    server = RawServer(hold_terminator=asyncio.Event())
+    async with serving(server) as url:
+        http = EngineHTTP(url)
+        async with http.stream("/sse", {}) as response:
+            async for event in response.events():
+                if event == "[DONE]":
+                    break
+        [left] = http._draining.values()  # the rest is still to read; its task has not run
+        await http.close()
+        assert left.closed
+        assert left.connection is None
+        assert server.hold_terminator is not None
+        server.hold_terminator.set()
+
+
 async def test_a_kept_connection_the_server_dropped_is_retried_on_a_new_one() -> None:
     """POSTs (aiohttp itself resends only idempotent methods) on two kept connections: each is
     dropped under its next request, which is sent again on a new connection, not on the other
