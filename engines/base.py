@@ -194,7 +194,7 @@ class WeightUpdate:
 @dataclass(frozen=True, slots=True)
 class EngineHealth:
     ok: bool
-    """False when the engine cannot serve (closed or its worker died)."""
+    """False when the engine cannot serve (closed, its worker died, or restarting)."""
     paused: bool
     version: int
     running: int
@@ -202,6 +202,9 @@ class EngineHealth:
     waiting: int
     """Requests admitted but not yet prefilled."""
     detail: str = ""
+    """Why the engine is not ok (empty while it is)."""
+    restarts: int = 0
+    """Times the engine was started again after it died (`engines.process`)."""
 
 
 @runtime_checkable

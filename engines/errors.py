@@ -6,7 +6,8 @@ EngineError
 │   ├── PromptTooLongError
 │   ├── TokenOutOfRangeError
 │   └── InvalidSamplingError
-├── EngineUnavailableError (closed, failed, or unreachable)
+├── EngineUnavailableError (closed, failed, restarting or unreachable; may say when to retry)
+│   └── RequestFailedError (the engine failed while serving one request; the others go on)
 └── WeightUpdateError (a weight update was refused; the old weights stay in place)
 """
 
@@ -62,8 +63,22 @@ class InvalidSamplingError(InvalidRequestError):
 
 
 class EngineUnavailableError(EngineError):
-    """The engine cannot serve now (closed, crashed, or unreachable); retry elsewhere or later."""
+    """The engine cannot serve now (closed, crashed, restarting, or unreachable); retry elsewhere
+    or later. `retry_after`, when set, is how many seconds from now a retry may succeed (an
+    engine that is restarting itself); the gateway sends it as `Retry-After`."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestFailedError(EngineUnavailableError):
+    """The engine failed while serving this request (a fault in its computation, not in the
+    request's parameters, which were checked); the engine and its other requests go on, so a
+    retry may succeed."""
 
 
 class WeightUpdateError(EngineError):
-    """A weight update was refused (wrong keys or shapes, stale version); nothing was changed."""
+    """A weight update was refused (unreadable files, wrong names, shapes or dtypes, non-finite
+    values, a version out of range); the engine serves the previous weights at the previous
+    version."""

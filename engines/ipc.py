@@ -6,7 +6,9 @@ below; only the two ends of one `ProcessEngine` speak it, so both are trusted an
 code. Token output travels as one `Step` per decode step (every sequence's new tokens
 together), not one message per token. Weights from a state dict do not travel through the socket:
 they are copied once into a shared-memory file (`WeightStage`) that the engine process maps, and
-only their layout (`SharedWeights`) is sent.
+only their layout (`SharedWeights`) is sent. The stage keeps the last applied state dict (one
+copy, in shared memory), so that an engine process started after a crash can be given the
+current weights again.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pickle
 import socket
 import struct
 import tempfile
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
 
     from engines.local import EngineStats, LocalEngineConfig
 
-ErrorKind = Literal["invalid", "unavailable", "weight_update"]
+ErrorKind = Literal["invalid", "unavailable", "failed", "weight_update"]
 """Which `engines.errors` class a failure maps back to on the gateway's side."""
 
 # -- gateway -> engine process ------------------------------------------------------------------
@@ -132,8 +135,9 @@ class Step:
     version: int
     stats: EngineStats
     chunks: list[ChunkRow]
-    errors: list[tuple[str, str]]
-    """(request id, message): the request failed with `EngineUnavailableError(message)`."""
+    errors: list[tuple[str, ErrorKind, str, float | None]]
+    """(request id, kind, message, retry_after): the request failed with the `engines.errors`
+    class of `kind` (`RequestFailedError` for "failed")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,17 +202,26 @@ def _shm_dir() -> Path:
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    weights: SharedWeights
+    buffer: torch.Tensor
+
+
 class WeightStage:
-    """The gateway's side of shared-memory weights: one file, reused while the state dict fits,
-    into which each update is copied (one copy, from any device). The file's name is unlinked once
-    the engine process has mapped it, so nothing is left behind if either side dies."""
+    """The gateway's side of shared-memory weights. Each update is copied (once, from any device)
+    into a file of its own, whose name is unlinked once the engine process has answered (it maps
+    the file first), so nothing is left behind if either side dies. The state dict last applied
+    stays here (`commit`) until a newer one is, so that `restage` can hand it to a new engine
+    process: one copy in memory, two only while an update or a restart is under way."""
 
     def __init__(self) -> None:
-        self._path: str | None = None
-        self._buffer: torch.Tensor | None = None
-        self._linked = False
+        self._lock = threading.Lock()
+        self._pending: _Staged | None = None
+        self._applied: _Staged | None = None
 
     def stage(self, state_dict: Mapping[str, torch.Tensor]) -> SharedWeights:
+        """Copy `state_dict` into a new file; `commit` or `discard` it once answered."""
         import torch
 
         slots: list[TensorSlot] = []
@@ -225,30 +238,67 @@ class WeightStage:
                 )
             )
             size += -(-nbytes // _ALIGN) * _ALIGN
-        if self._buffer is None or self._buffer.numel() < size:
-            self.close()
-            self._path = str(_shm_dir() / f"rlgateway-weights-{os.getpid()}-{uuid.uuid4().hex}")
-            self._buffer = torch.from_file(
-                self._path, shared=True, size=max(size, 1), dtype=torch.uint8
-            )
-            self._linked = True
-        assert self._path is not None
+        staged = _new_file(size, tuple(slots))
         with torch.no_grad():
             for slot in slots:
-                view(self._buffer, slot).copy_(state_dict[slot.name])
-        return SharedWeights(self._path, int(self._buffer.numel()), tuple(slots))
+                view(staged.buffer, slot).copy_(state_dict[slot.name])
+        with self._lock:
+            # one update at a time: a pending one left here was abandoned (its caller cancelled)
+            stale, self._pending = self._pending, staged
+        if stale is not None:
+            _unlink(stale)
+        return staged.weights
 
-    def mapped(self) -> None:
-        """The engine process has mapped the file: its name is no longer needed."""
-        if self._linked and self._path is not None:
-            Path(self._path).unlink(missing_ok=True)
-            self._linked = False
+    def commit(self) -> None:
+        """The engine process applied the staged update: it is now the one to keep."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                _unlink(pending)
+                self._applied = pending
+
+    def discard(self) -> None:
+        """The staged update was refused or is lost: forget it (no-op once committed)."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            _unlink(pending)
+
+    def drop_applied(self) -> None:
+        """The weights now applied came from elsewhere (a directory): free the kept copy."""
+        with self._lock:
+            self._applied = None
+
+    def restage(self) -> SharedWeights | None:
+        """The last applied state dict in a new file, for a new engine process (None if none
+        was applied); `unlink` it once that process has answered."""
+        with self._lock:
+            applied = self._applied
+        if applied is None:
+            return None
+        staged = _new_file(applied.weights.size, applied.weights.tensors)
+        staged.buffer.copy_(applied.buffer)
+        return staged.weights
 
     def close(self) -> None:
-        """Forget the file (a new one is made on the next `stage`)."""
-        self.mapped()
-        self._path = None
-        self._buffer = None
+        self.discard()
+        self.drop_applied()
+
+
+def unlink(weights: SharedWeights) -> None:
+    Path(weights.path).unlink(missing_ok=True)
+
+
+def _unlink(staged: _Staged) -> None:
+    unlink(staged.weights)
+
+
+def _new_file(size: int, slots: tuple[TensorSlot, ...]) -> _Staged:
+    import torch
+
+    path = str(_shm_dir() / f"rlgateway-weights-{os.getpid()}-{uuid.uuid4().hex}")
+    buffer = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)
+    return _Staged(SharedWeights(path, int(buffer.numel()), slots), buffer)
 
 
 def view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
@@ -260,14 +310,20 @@ def view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return flat.view(dtype).view(slot.shape)
 
 
-def open_shared(weights: SharedWeights, maps: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The engine process's side: map `weights.path` (once; `maps` caches the mapping by path
-    and keeps only the newest file) and return the state dict as views into it."""
+def open_shared(weights: SharedWeights) -> dict[str, torch.Tensor]:
+    """The engine process's side: map `weights.path` and return the state dict as views into it
+    (the mapping lives as long as the views). `FileNotFoundError` or `ValueError` when the file
+    is gone or short: never a fresh empty file, which `torch.from_file` would make of a missing
+    path (and zeros are finite weights)."""
     import torch
 
-    buffer = maps.get(weights.path)
-    if buffer is None:
-        maps.clear()
-        buffer = torch.from_file(weights.path, shared=True, size=weights.size, dtype=torch.uint8)
-        maps[weights.path] = buffer
+    fd = os.open(weights.path, os.O_RDWR)  # pins the file, whether or not it is unlinked next
+    try:
+        if os.fstat(fd).st_size < weights.size:
+            raise ValueError(f"the staged weights {weights.path} are shorter than announced")
+        buffer = torch.from_file(
+            f"/proc/self/fd/{fd}", shared=True, size=weights.size, dtype=torch.uint8
+        )
+    finally:
+        os.close(fd)
     return {slot.name: view(buffer, slot) for slot in weights.tensors}

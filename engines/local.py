@@ -13,6 +13,16 @@ logprob is exactly the new policy's (a teacher-forced pass with the new weights 
 Each step's output goes to its consumers in one call per consumer (`Consumer.deliver`): for the
 asyncio API that is one `call_soon_threadsafe` per event loop per step; `engines.process_main` plugs
 in a consumer that writes the whole step to its pipe as one message.
+
+Faults are contained to the requests they concern. Requests are checked before they are queued
+(`engines.limits.check_local_request`), but whatever still raises while one step serves them
+fails only what it can be pinned on: a batch whose prefill or sampling raises is redone one
+sequence at a time, and a sequence that fails alone gets `RequestFailedError` while the rest of
+the batch goes on. A fault that no request explains (the decode forward itself) fails the
+sequences of that step and is logged; the worker goes on, and only `MAX_FAILED_STEPS` failed steps
+in a row stop it (the engine then reports itself failed; `engines.process` restarts it). A weight
+update is checked whole (`engines.weights`: files, names, shapes, dtypes, finite values, version)
+before the first tensor is copied, so a refused one changes nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import secrets
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,18 +48,27 @@ from engines.base import (
     GenerateRequest,
     TokenChunk,
     WeightUpdate,
-    check_request,
     join_chunks,
 )
 from engines.errors import (
     EngineUnavailableError,
     InvalidRequestError,
+    RequestFailedError,
     WeightUpdateError,
 )
+from engines.limits import check_local_request
 from engines.sampling import behaviour_logprobs, sample, truncate
 from engines.slot_model import SlotModel
+from engines.weights import checked_weights
 
 log = logging.getLogger(__name__)
+
+MAX_FAILED_STEPS = 3
+"""Steps in a row that may fail before the worker stops: one failed step is a fault of that
+step (its sequences fail, the engine goes on); several in a row mean the engine is broken."""
+
+RETRY_AFTER_S = 1.0
+"""The `retry_after` of a request that failed on a fault of the engine's step."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +106,14 @@ class EngineStats:
 
 
 _Item = TokenChunk | BaseException
+
+_Row = tuple[int, float, tuple[tuple[tuple[int, float], ...], ...]]
+"""One sampled row: token id, behaviour logprob, top logprobs (empty unless asked for)."""
+
+
+class _EngineBroken(Exception):
+    """Raised in the worker when the engine cannot go on (its weights are mixed, or too many steps
+    in a row failed): the worker stops and every request fails with `EngineUnavailableError`."""
 
 
 class Consumer(Protocol):
@@ -146,6 +173,8 @@ class LocalEngine:
         self._paused = False
         self._closed = False
         self._failure: BaseException | None = None
+        self._failed_steps = 0
+        """Steps in a row that failed (`MAX_FAILED_STEPS`)."""
         self._step_lock = threading.Lock()
         self._consumers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopConsumer] = (
             weakref.WeakKeyDictionary()
@@ -193,7 +222,9 @@ class LocalEngine:
 
     def check(self, request: GenerateRequest) -> None:
         """Raise the `InvalidRequestError` that `generate` would raise for `request`."""
-        check_request(request, max_model_len=self.max_model_len, vocab_size=self.runner.vocab_size)
+        check_local_request(
+            request, max_model_len=self.max_model_len, vocab_size=self.runner.vocab_size
+        )
 
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         loop = asyncio.get_running_loop()
@@ -314,6 +345,12 @@ class LocalEngine:
     async def close(self) -> None:
         await asyncio.to_thread(self.close_now)
 
+    def wait_stopped(self) -> BaseException | None:
+        """Block until the worker has stopped (closed, or failed); return its failure, if any."""
+        self._worker.join()
+        with self._cv:
+            return self._failure
+
     def close_now(self) -> None:
         with self._cv:
             self._closed = True
@@ -351,7 +388,7 @@ class LocalEngine:
                         free = self.config.max_batch - len(self._running)
                         admitted, self._waiting = self._waiting[:free], self._waiting[free:]
                 with self._step_lock:
-                    self._step(aborts, dropped, updates, admitted)
+                    self._guarded_step(aborts, dropped, updates, admitted)
         except BaseException as exc:
             log.exception("the local engine's worker failed")
             with self._cv:
@@ -359,10 +396,60 @@ class LocalEngine:
         finally:
             self._shutdown()
 
-    def _step(
+    def _guarded_step(
         self, aborts: set[str], dropped: list[_Seq], updates: list[_Update], admitted: list[_Seq]
     ) -> None:
+        """One step; a fault no request explains fails that step's sequences (and its pending
+        updates) and is logged, and the worker goes on unless `MAX_FAILED_STEPS` failed in a
+        row (then it raises, and the engine fails)."""
         out = _Outbox()
+        try:
+            self._step(aborts, dropped, updates, admitted, out)
+        except _EngineBroken:
+            raise
+        except Exception as exc:
+            self._failed_steps += 1
+            seqs = {id(s): s for s in [*dropped, *admitted, *self._running] if not s.done}
+            log.exception(
+                "an engine step failed (%d in a row); its %d sequences fail",
+                self._failed_steps,
+                len(seqs),
+            )
+            error = RequestFailedError(
+                f"the engine failed while serving this request ({exc!r}); the engine goes on: "
+                "send the request again",
+                retry_after=RETRY_AFTER_S,
+            )
+            for seq in seqs.values():
+                self._fail(seq, error, out)
+            self._running = []
+            for upd in updates:
+                if not upd.future.done():
+                    upd.future.set_exception(
+                        EngineUnavailableError(
+                            f"the engine step failed before this weight update was applied "
+                            f"({exc!r}); nothing was changed: send it again",
+                            retry_after=RETRY_AFTER_S,
+                        )
+                    )
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                broken = _EngineBroken(f"{self._failed_steps} engine steps in a row failed")
+                with self._cv:  # before the requests hear of it, so health says so at once
+                    self._failure = broken
+                raise broken from exc
+        else:
+            self._failed_steps = 0
+        finally:
+            out.flush()
+
+    def _step(
+        self,
+        aborts: set[str],
+        dropped: list[_Seq],
+        updates: list[_Update],
+        admitted: list[_Seq],
+        out: _Outbox,
+    ) -> None:
         for seq in [*dropped, *self._running]:
             if seq.request.request_id in aborts:
                 self._finish(seq, FinishReason.ABORT, out)
@@ -370,14 +457,7 @@ class LocalEngine:
         for upd in updates:
             self._apply_update(upd)
         for group in _prefill_groups(admitted, PREFILL_TOKEN_BUDGET):
-            first = len(self._running)
-            for i, seq in enumerate(group):
-                seq.slot = first + i
-                self._running.append(seq)
-            logits_BV = self.runner.prefill_batch(first, [seq.tokens for seq in group])
-            self.stats.prefills += len(group)
-            self.stats.prefill_tokens += sum(len(seq.tokens) for seq in group)
-            self._sample(group, logits_BV, out)
+            self._prefill(group, out)
         self._compact()
         if self._running:
             batch = list(self._running)
@@ -389,10 +469,73 @@ class LocalEngine:
             self.stats.max_decode_batch = max(self.stats.max_decode_batch, len(batch))
             self._sample(batch, logits_BV, out)
             self._compact()
-        out.flush()
+
+    def _prefill(self, group: list[_Seq], out: _Outbox) -> None:
+        """Prefill `group` into the next free slots and sample each one's first token. A forward
+        that raises is redone one sequence at a time, so that only a sequence that fails alone
+        fails."""
+        first = len(self._running)
+        for i, seq in enumerate(group):
+            seq.slot = first + i
+            self._running.append(seq)
+        self._prefill_slots(group, out)
+
+    def _prefill_slots(self, group: list[_Seq], out: _Outbox) -> None:
+        """`_prefill` on sequences that hold consecutive slots already."""
+        try:
+            logits_BV = self.runner.prefill_batch(group[0].slot, [seq.tokens for seq in group])
+        except Exception as exc:
+            if len(group) == 1:
+                self._fail(group[0], self._request_failed(exc), out)
+                return
+            log.warning(
+                "a prefill of %d sequences failed (%r); redoing each alone", len(group), exc
+            )
+            for seq in group:
+                self._prefill_slots([seq], out)
+            return
+        self.stats.prefills += len(group)
+        self.stats.prefill_tokens += sum(len(seq.tokens) for seq in group)
+        self._sample(group, logits_BV, out)
 
     def _sample(self, batch: list[_Seq], logits_BV: torch.Tensor, out: _Outbox) -> None:
+        """Sample one token per sequence and deliver it. If sampling the batch raises, each
+        sequence is sampled alone and those that fail alone fail."""
+        try:
+            drawn = self._draw(batch, logits_BV)
+        except Exception as exc:
+            if len(batch) == 1:
+                self._fail(batch[0], self._request_failed(exc), out)
+                return
+            log.warning("sampling %d sequences failed (%r); sampling each alone", len(batch), exc)
+            for b, seq in enumerate(batch):
+                self._sample([seq], logits_BV[b : b + 1], out)
+            return
+        version = self._version
+        for seq, row in zip(batch, drawn, strict=True):
+            if isinstance(row, str):
+                self._fail(seq, RequestFailedError(row, retry_after=RETRY_AFTER_S), out)
+                continue
+            tok, lp, top = row
+            seq.tokens.append(tok)
+            finish = None
+            if tok in seq.stops:
+                finish = FinishReason.STOP
+            elif seq.num_new >= seq.max_new:
+                finish = FinishReason.LENGTH
+            seq.held.append(TokenChunk((tok,), (lp,), (version,), finish, top))
+            first = seq.num_new == 1  # never held: the consumer times the first token
+            if first or finish is not None or len(seq.held) >= seq.request.stream_interval:
+                out.put(seq, join_chunks(seq.held))
+                seq.held.clear()
+            if finish is not None:
+                self._finish(seq, finish, out, announce=False)
+
+    def _draw(self, batch: list[_Seq], logits_BV: torch.Tensor) -> list[_Row | str]:
+        """The tensor work of sampling, changing no sequence: per row, (token, behaviour logprob,
+        top logprobs), or why that row cannot be sampled (no finite distribution to draw from)."""
         dev = logits_BV.device
+        vocab = logits_BV.shape[-1]
         sps = [s.request.sampling for s in batch]
         logp_BV = behaviour_logprobs(
             logits_BV, torch.tensor([sp.temperature for sp in sps], device=dev)
@@ -406,9 +549,14 @@ class LocalEngine:
         if any(sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0) for sp in sps):
             draw_BV = truncate(
                 draw_BV,
-                torch.tensor([sp.top_k for sp in sps], device=dev),
+                torch.tensor([min(sp.top_k, vocab) for sp in sps], device=dev),
                 torch.tensor([sp.top_p for sp in sps], device=dev),
             )
+        # A row with a NaN or +inf, or with nothing left to draw, would fail the draw of the
+        # whole batch: it draws from a uniform row instead and fails alone (max is NaN over a
+        # row with a NaN, inf with a +inf, -inf with nothing left).
+        bad_B = ~torch.isfinite(draw_BV.amax(dim=-1))
+        draw_BV = draw_BV.masked_fill(bad_B[:, None], 0.0)
         tokens_B = sample(
             draw_BV,
             greedy_B=[sp.temperature == 0 for sp in sps],
@@ -416,31 +564,45 @@ class LocalEngine:
             shared=self._rng,
         )
         chosen_B = logp_BV.gather(-1, tokens_B[:, None])[:, 0]
-        k = max(sp.top_logprobs for sp in sps)
+        k = min(max(sp.top_logprobs for sp in sps), vocab)
         tops: list[list[float]] = []
         top_ids: list[list[int]] = []
         if k:
             values_BK, ids_BK = logp_BV.topk(k, dim=-1)
             tops, top_ids = values_BK.tolist(), ids_BK.tolist()
-        version = self._version
-        for b, (seq, tok, lp) in enumerate(
-            zip(batch, tokens_B.tolist(), chosen_B.tolist(), strict=True)
+        rows: list[_Row | str] = []
+        for b, (tok, lp, bad) in enumerate(
+            zip(tokens_B.tolist(), chosen_B.tolist(), bad_B.tolist(), strict=True)
         ):
-            seq.tokens.append(tok)
-            finish = None
-            if tok in seq.stops:
-                finish = FinishReason.STOP
-            elif seq.num_new >= seq.max_new:
-                finish = FinishReason.LENGTH
+            if bad:
+                rows.append(
+                    "nothing to sample for this request: every token is excluded (min_tokens "
+                    "masks its stop ids) or the model's logits are not finite; the engine goes on"
+                )
+                continue
             n_top = sps[b].top_logprobs
             top = (tuple(zip(top_ids[b][:n_top], tops[b][:n_top], strict=True)),) if n_top else ()
-            seq.held.append(TokenChunk((tok,), (lp,), (version,), finish, top))
-            first = seq.num_new == 1  # never held: the consumer times the first token
-            if first or finish is not None or len(seq.held) >= seq.request.stream_interval:
-                out.put(seq, join_chunks(seq.held))
-                seq.held.clear()
-            if finish is not None:
-                self._finish(seq, finish, out, announce=False)
+            rows.append((tok, lp, top))
+        return rows
+
+    def _request_failed(self, exc: Exception) -> RequestFailedError:
+        log.warning("a request failed in the engine: %r", exc)
+        return RequestFailedError(
+            f"the engine failed while serving this request ({exc!r}); the engine goes on",
+            retry_after=RETRY_AFTER_S,
+        )
+
+    def _fail(self, seq: _Seq, error: BaseException, out: _Outbox) -> None:
+        """End `seq` with `error` (its held tokens first); a finished sequence is left alone."""
+        if seq.done:
+            return
+        seq.done = True
+        with self._cv:
+            self._live.pop(seq.request.request_id, None)
+        if seq.held:
+            out.put(seq, join_chunks(seq.held))
+            seq.held.clear()
+        out.put(seq, error)
 
     def _finish(
         self, seq: _Seq, reason: FinishReason, out: _Outbox, *, announce: bool = True
@@ -468,44 +630,33 @@ class LocalEngine:
                 running[i] = last
 
     def _apply_update(self, upd: _Update) -> None:
+        """Check the update whole, then swap it in; its future is resolved either way. A failure
+        after the first tensor was copied leaves mixed weights: the engine stops (`_EngineBroken`)
+        rather than serve them."""
         try:
-            version = self._load_weights(upd.update)
-        except WeightUpdateError as exc:
+            version, state = checked_weights(self.model, upd.update, current=self._version)
+        except Exception as exc:
+            if not isinstance(exc, WeightUpdateError):
+                exc = WeightUpdateError(f"the new weights could not be loaded: {exc!r}")
+            log.warning("refused a weight update: %s", exc)
             upd.future.set_exception(exc)
             return
-        # Recompute the cache of every live sequence under the new weights.
-        for seq in self._running:
-            self.runner.prefill(seq.slot, seq.tokens[:-1])
+        try:
+            known = self.model.state_dict()
+            with torch.no_grad():
+                for name, tensor in state.items():
+                    known[name].copy_(tensor)
+            # Recompute the cache of every live sequence under the new weights.
+            for seq in self._running:
+                self.runner.prefill(seq.slot, seq.tokens[:-1])
+        except Exception as exc:
+            upd.future.set_exception(
+                EngineUnavailableError(f"the engine failed while swapping in the weights: {exc!r}")
+            )
+            raise _EngineBroken("a weight swap failed half-way") from exc
         self._version = version
         self.stats.weight_updates += 1
         upd.future.set_result(version)
-
-    def _load_weights(self, update: WeightUpdate) -> int:
-        version = update.version if update.version is not None else self._version + 1
-        if version <= self._version:
-            raise WeightUpdateError(
-                f"version {version} is not newer than the current version {self._version}"
-            )
-        state = update.state_dict if update.state_dict is not None else _read_dir(update.path)
-        params = dict(self.model.named_parameters())
-        known = self.model.state_dict()
-        missing = sorted(set(params) - set(state))
-        unknown = sorted(set(state) - set(known))
-        if missing or unknown:
-            raise WeightUpdateError(
-                f"the new weights do not fit the model: missing {missing[:5]}, "
-                f"unexpected {unknown[:5]}"
-            )
-        for name, tensor in state.items():
-            if tuple(tensor.shape) != tuple(known[name].shape):
-                raise WeightUpdateError(
-                    f"{name} has shape {tuple(tensor.shape)}, the model's is "
-                    f"{tuple(known[name].shape)}"
-                )
-        with torch.no_grad():
-            for name, tensor in state.items():
-                known[name].copy_(tensor)
-        return version
 
     def _shutdown(self) -> None:
         with self._cv:
@@ -521,7 +672,7 @@ class LocalEngine:
             if failure is not None:
                 out.put(seq, EngineUnavailableError(f"the local engine failed: {failure!r}"))
             else:
-                out.put(seq, TokenChunk((), (), (), FinishReason.ABORT))
+                out.put(seq, join_chunks([*seq.held, TokenChunk((), (), (), FinishReason.ABORT)]))
         for upd in updates:
             upd.future.set_exception(EngineUnavailableError("the local engine closed"))
         self._running, self._waiting = [], []
@@ -583,16 +734,3 @@ class _LoopConsumer:
             if isinstance(item, BaseException) or item.finish_reason is not None:
                 del self.queues[request_id]
             queue.put_nowait(item)
-
-
-def _read_dir(path: Path | None) -> Mapping[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    assert path is not None
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise WeightUpdateError(f"no *.safetensors files in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state

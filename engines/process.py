@@ -1,24 +1,34 @@
-"""`ProcessEngine`: the local engine in a process of its own, behind the same `Engine` protocol.
+"""`ProcessEngine`: the local engine in a process of its own, behind the same `Engine` protocol,
+restarted when it dies.
 
 In one process, the engine's worker thread (Python between torch kernels) and the gateway's event
 loop (HTTP, chat templates, SQL) take turns on one GIL, so each slows the other. Here the engine
 runs in a child process (`engines.process_main`), as vLLM separates its API server from its engine
 core; this side keeps only what the gateway needs to be fast and correct without asking the child:
 
-- `generate` checks the request here (the same `check_request` as the local engine), so bad input
-  raises before the first chunk; tokens come back as one message per decode step, fanned out to
-  each consumer's event loop in one callback per loop.
+- `generate` checks the request here (`engines.limits.check_local_request`, as the local engine
+  does), so bad input raises before the first chunk; tokens come back as one message per decode
+  step, fanned out to each consumer's event loop in one callback per loop.
 - `version()` and `stats` mirror the child's, updated by every step and every weight swap.
 - `update_weights` with a state dict copies it once into shared memory (`engines.ipc.WeightStage`)
   and sends only the layout; a directory is sent by path.
-- If the child dies, every live stream and pending call fails with `EngineUnavailableError` (the
-  gateway answers 503), and so does every later call.
+
+Supervision: when the child dies (a crash, `kill -9`, the OOM killer, or its engine failing),
+every live stream and pending call fails with `EngineUnavailableError` (the gateway answers 503,
+with `Retry-After` from the error's `retry_after`), and so does every call until a new child is
+up. The reader thread of the dead child then starts a new one itself, after a backoff
+(`RestartPolicy`), with the current weights: the last update that was applied (a directory by its
+path, a state dict from the copy the stage keeps) at its version, and paused if the engine was.
+More deaths than the policy allows within its window and the engine stays down. `health()` says
+why while it is down, and counts the restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -26,6 +36,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -38,11 +49,11 @@ from engines.base import (
     GenerateRequest,
     TokenChunk,
     WeightUpdate,
-    check_request,
 )
 from engines.errors import (
     EngineUnavailableError,
     InvalidRequestError,
+    RequestFailedError,
     WeightUpdateError,
 )
 from engines.ipc import (
@@ -54,6 +65,7 @@ from engines.ipc import (
     LoadWeights,
     Ready,
     Reply,
+    SharedWeights,
     Start,
     StartFailed,
     Step,
@@ -61,7 +73,9 @@ from engines.ipc import (
     ToEngine,
     WeightStage,
     frame,
+    unlink,
 )
+from engines.limits import check_local_request
 
 if TYPE_CHECKING:
     from engines.local import EngineStats, LocalEngineConfig
@@ -80,95 +94,202 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestartPolicy:
+    """When a dead engine process is started again."""
+
+    max_restarts: int = 5
+    """Restarts within `window_s`; the engine stays down after one more death in the window."""
+    window_s: float = 600.0
+    """Seconds over which deaths are counted."""
+    backoff_s: float = 0.5
+    """Seconds before the first restart in the window, doubled for each further one."""
+    max_backoff_s: float = 30.0
+    """The longest wait before a restart."""
+
+
 @dataclass(eq=False, slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[_Item]
 
 
-def _error(kind: ErrorKind, message: str) -> Exception:
+@dataclass(eq=False, slots=True)
+class _Call:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    on_success: Callable[[Any], None] | None = None
+    """Run on the reader thread with the reply's value before the caller sees it (so that what
+    a weight swap changed is recorded before a death that follows it can start a restart)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Applied:
+    """The weights a new engine process must be given: a directory (`path`) or the state dict
+    the stage keeps (`path` None), at `version`."""
+
+    version: int
+    path: str | None
+
+
+class _Child:
+    """One engine process, its socket, and the streams and calls in flight on it."""
+
+    def __init__(
+        self, proc: subprocess.Popen[bytes], sock: socket.socket, frames: FrameReader, ready: Ready
+    ) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.sock = sock
+        self.frames = frames
+        """Reads `sock`; it may hold messages already read past `ready`."""
+        self.ready = ready
+        self.live: dict[str, _Stream] = {}
+        self.calls: dict[int, _Call] = {}
+        self._send_lock = threading.Lock()
+
+    def send(self, msg: ToEngine) -> None:
+        data = frame(msg)
+        try:
+            with self._send_lock:
+                self.sock.sendall(data)
+        except OSError as exc:
+            raise EngineUnavailableError(f"the engine process is gone: {exc}") from exc
+
+    def ask(self, msg: ToEngine) -> Reply:
+        """Send `msg` and wait for its reply, before any reader thread runs (a new child)."""
+        self.send(msg)
+        reply = next(iter(self.frames.read()))
+        assert isinstance(reply, Reply), f"expected Reply, got {type(reply).__name__}"
+        return reply
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        self.proc.wait()
+        self.sock.close()
+
+
+def _spawn(config: LocalEngineConfig, threads: int) -> _Child:
+    """Start an engine process and wait until its model is loaded. Raises `ValueError` for a bad
+    config and `EngineUnavailableError` if the child fails otherwise."""
+    ours, theirs = socket.socketpair()
+    for s in (ours, theirs):  # room for many steps, so the engine never waits on the gateway
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+    # The child imports `engines` from wherever this process did, installed or not.
+    root = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    with theirs:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engines.process_main", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env={**os.environ, "PYTHONPATH": path},
+        )
+    frames = FrameReader(ours)
+    try:
+        ours.sendall(frame(Start(config, threads)))
+        msg = next(iter(frames.read()))
+    except (EOFError, OSError) as exc:
+        ours.close()
+        code = proc.wait()
+        raise EngineUnavailableError(
+            f"the engine process exited with code {code} while loading {config.model}"
+        ) from exc
+    if isinstance(msg, StartFailed):
+        ours.close()
+        proc.wait()
+        if msg.kind == "value":
+            raise ValueError(f"the engine process could not load the model: {msg.message}")
+        raise EngineUnavailableError(
+            f"the engine process could not load {config.model}: {msg.message}"
+        )
+    assert isinstance(msg, Ready), f"expected Ready, got {type(msg).__name__}"
+    return _Child(proc, ours, frames, msg)
+
+
+def _error(kind: ErrorKind, message: str, retry_after: float | None = None) -> Exception:
     if kind == "weight_update":
         return WeightUpdateError(message)
     if kind == "invalid":
         return InvalidRequestError(message)
-    return EngineUnavailableError(message)
+    if kind == "failed":
+        return RequestFailedError(message, retry_after=retry_after)
+    return EngineUnavailableError(message, retry_after=retry_after)
 
 
 class ProcessEngine:
-    """Implements `engines.base.Engine` with a `LocalEngine` in a child process. Build with
-    `ProcessEngine.load(config)`; `close()` stops the child."""
+    """Implements `engines.base.Engine` with a `LocalEngine` in a child process that is started
+    again when it dies. Build with `ProcessEngine.load(config)`; `close()` stops the child."""
 
     def __init__(
         self,
-        proc: subprocess.Popen[bytes],
-        sock: socket.socket,
-        ready: Ready,
+        child: _Child,
         config: LocalEngineConfig,
+        *,
+        threads: int,
+        restart: RestartPolicy,
+        start_s: float,
     ) -> None:
         from engines.local import EngineStats
 
+        ready = child.ready
         self.config = config
-        self.pid = proc.pid
+        self.restart = restart
+        self.pid = child.pid
+        """The engine process's pid (the newest one's, after a restart)."""
         self.eos_token_ids = ready.eos_token_ids
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.threads = ready.threads
         self.stats: EngineStats = EngineStats()
-        """The child's batching counters as of its last step."""
-        self._proc = proc
-        self._sock = sock
+        """The child's batching counters as of its last step (a new child starts from zero)."""
+        self.restarts = 0
+        """Engine processes started after one died."""
+        self._threads_asked = threads
+        self._start_s = start_s
+        """How long the last start took: what a restart is expected to take."""
         self._version = ready.version
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._live: dict[str, _Stream] = {}
-        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
-        self._call_ids = itertools.count()
-        self._failure: str | None = None
+        self._child: _Child | None = child
+        self._down: str | None = None
+        """Why the engine is not serving (None while a child is up)."""
+        self._retry_at: float | None = None
+        """When (monotonic) a new child is expected to be up; None when none is coming."""
+        self._deaths: collections.deque[float] = collections.deque()
         self._closing = False
+        self._paused = False
+        self._applied: _Applied | None = None
+        self._call_ids = itertools.count()
         self._stage = WeightStage()
         self._update_lock = asyncio.Lock()
-        self._reader = threading.Thread(
-            target=self._read, name="rlgateway-engine-reader", daemon=True
-        )
-        self._reader.start()
+        self._wake = threading.Event()
+        """Set by `close`: a restart waiting out its backoff gives up."""
+        self._readers: list[threading.Thread] = []
+        self._watch(child)
 
     @classmethod
-    def load(cls, config: LocalEngineConfig, *, threads: int | None = None) -> ProcessEngine:
+    def load(
+        cls,
+        config: LocalEngineConfig,
+        *,
+        threads: int | None = None,
+        restart: RestartPolicy | None = None,
+    ) -> ProcessEngine:
         """Start the engine process and wait until its model is loaded. `threads`: torch threads
-        in the child (default `default_threads()`). Raises `ValueError` for a bad config and
+        in the child (default `default_threads()`); `restart`: when a dead child is started
+        again (default `RestartPolicy()`). Raises `ValueError` for a bad config and
         `EngineUnavailableError` if the child fails otherwise."""
-        ours, theirs = socket.socketpair()
-        for s in (ours, theirs):  # room for many steps, so the engine never waits on the gateway
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-        # The child imports `engines` from wherever this process did, installed or not.
-        root = str(Path(__file__).resolve().parent.parent)
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        with theirs:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "engines.process_main", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                env={**os.environ, "PYTHONPATH": path},
-            )
-        try:
-            ours.sendall(frame(Start(config, threads or default_threads())))
-            msg = next(iter(FrameReader(ours).read()))
-        except (EOFError, OSError) as exc:
-            ours.close()
-            code = proc.wait()
-            raise EngineUnavailableError(
-                f"the engine process exited with code {code} while loading {config.model}"
-            ) from exc
-        if isinstance(msg, StartFailed):
-            ours.close()
-            proc.wait()
-            if msg.kind == "value":
-                raise ValueError(f"the engine process could not load the model: {msg.message}")
-            raise EngineUnavailableError(
-                f"the engine process could not load {config.model}: {msg.message}"
-            )
-        assert isinstance(msg, Ready), f"expected Ready, got {type(msg).__name__}"
-        return cls(proc, ours, msg, config)
+        threads = threads or default_threads()
+        started = time.monotonic()
+        child = _spawn(config, threads)
+        return cls(
+            child,
+            config,
+            threads=threads,
+            restart=restart or RestartPolicy(),
+            start_s=time.monotonic() - started,
+        )
 
     # -- the Engine protocol -----------------------------------------------------------------
 
@@ -176,20 +297,20 @@ class ProcessEngine:
         return self._version
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        check_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        check_local_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         return self._stream(request)
 
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         rid = request.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            self._check_open()
-            if rid in self._live:
+            child = self._up()
+            if rid in child.live:
                 raise InvalidRequestError(f"request id {rid!r} is already live")
-            self._live[rid] = stream
+            child.live[rid] = stream
         finished = False
         try:
-            self._send(Submit(request))
+            child.send(Submit(request))
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -203,177 +324,330 @@ class ProcessEngine:
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
-            live = request_id in self._live and self._failure is None and not self._closing
+            child = self._child
+            live = child is not None and request_id in child.live and not self._closing
         if live:
+            assert child is not None
             with contextlib.suppress(EngineUnavailableError):  # gone already: nothing to abort
-                self._send(Abort(request_id))
+                child.send(Abort(request_id))
 
     async def pause(self) -> None:
         await self._call(lambda call_id: Control(call_id, "pause"))
+        self._paused = True
 
     async def resume(self) -> None:
         await self._call(lambda call_id: Control(call_id, "resume"))
+        self._paused = False
 
     async def update_weights(self, update: WeightUpdate) -> int:
         async with self._update_lock:  # one staged state dict at a time
             if update.path is not None:
                 path = str(update.path.resolve())
+
+                def applied_dir(version: int) -> None:
+                    self._set_applied(_Applied(version, path))
+                    self._stage.drop_applied()
+
                 version: int = await self._call(
-                    lambda call_id: LoadWeights(call_id, update.version, path=path)
+                    lambda call_id: LoadWeights(call_id, update.version, path=path),
+                    on_success=applied_dir,
                 )
                 return version
             assert update.state_dict is not None
             shared = await asyncio.to_thread(self._stage.stage, update.state_dict)
+
+            def applied_state(version: int) -> None:
+                self._stage.commit()
+                self._set_applied(_Applied(version, None))
+
             try:
                 version = await self._call(
-                    lambda call_id: LoadWeights(call_id, update.version, shared=shared)
+                    lambda call_id: LoadWeights(call_id, update.version, shared=shared),
+                    on_success=applied_state,
                 )
-            except WeightUpdateError:
-                self._stage.mapped()  # refused after the child mapped the file
-                raise
-            except BaseException:
-                self._stage.close()  # the child may not have mapped it: start afresh next time
-                raise
-            self._stage.mapped()
+            finally:
+                self._stage.discard()  # refused or lost (a no-op once committed)
             return version
 
     async def health(self) -> EngineHealth:
         with self._lock:
-            failure = self._failure or ("closed" if self._closing else None)
-        if failure is not None:
-            return EngineHealth(
-                ok=False, paused=False, version=self._version, running=0, waiting=0, detail=failure
-            )
-        health: EngineHealth = await self._call(lambda call_id: Control(call_id, "health"))
-        return health
+            up = self._child is not None and not self._closing
+        if up:
+            try:
+                health: EngineHealth = await self._call(lambda call_id: Control(call_id, "health"))
+                return dataclasses.replace(health, restarts=self.restarts)
+            except EngineUnavailableError:
+                pass  # it died during the call: report it down
+        with self._lock:
+            detail = self._down or "the engine process is closed"
+        return EngineHealth(
+            ok=False,
+            paused=self._paused,
+            version=self._version,
+            running=0,
+            waiting=0,
+            detail=detail,
+            restarts=self.restarts,
+        )
 
     async def close(self) -> None:
-        """Abort every live request, stop the child and wait for it. Idempotent."""
+        """Abort every live request, stop the child (and any restart) and wait. Idempotent."""
         with self._lock:
             closing, self._closing = self._closing, True
-            alive = self._failure is None
+            child = self._child
+        self._wake.set()
         if closing:
             return
-        if alive:
+        if child is not None:
             with contextlib.suppress(EngineUnavailableError):
                 await self._call(lambda call_id: Control(call_id, "close"), closing=True)
         await asyncio.to_thread(self._stop)
 
     def _stop(self) -> None:
-        try:
-            self._proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            log.warning("the engine process (pid %d) did not exit; killing it", self.pid)
-            self._proc.kill()
-            self._proc.wait()
-        self._reader.join(timeout=30)
-        self._sock.close()
+        with self._lock:
+            child = self._child
+        if child is not None:
+            try:
+                child.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                log.warning("the engine process (pid %d) did not exit; killing it", child.pid)
+                child.proc.kill()
+        for reader in list(self._readers):  # a reader that restarts a child may add one
+            reader.join(timeout=60)
         self._stage.close()
 
     # -- talking to the child ------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._failure is not None:
-            raise EngineUnavailableError(self._failure)
+    def _up(self) -> _Child:
+        """The child now serving, or `EngineUnavailableError` saying why there is none. Called
+        with `_lock` held."""
         if self._closing:
             raise EngineUnavailableError("the engine process is closed")
+        if self._child is None:
+            assert self._down is not None
+            raise EngineUnavailableError(self._down, retry_after=self._retry_after())
+        return self._child
 
-    def _send(self, msg: ToEngine) -> None:
-        data = frame(msg)
-        try:
-            with self._send_lock:
-                self._sock.sendall(data)
-        except OSError as exc:
-            raise EngineUnavailableError(f"the engine process is gone: {exc}") from exc
+    def _retry_after(self) -> float | None:
+        if self._retry_at is None:
+            return None
+        return max(1.0, self._retry_at - time.monotonic())
 
-    async def _call(self, make: Callable[[int], ToEngine], *, closing: bool = False) -> Any:
+    def _set_applied(self, applied: _Applied) -> None:
+        with self._lock:
+            self._applied = applied
+
+    async def _call(
+        self,
+        make: Callable[[int], ToEngine],
+        *,
+        closing: bool = False,
+        on_success: Callable[[Any], None] | None = None,
+    ) -> Any:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         with self._lock:
-            if self._failure is not None or (self._closing and not closing):
-                self._check_open()
+            child = self._child if closing and self._child is not None else self._up()
             call_id = next(self._call_ids)
-            self._calls[call_id] = (loop, future)
+            child.calls[call_id] = _Call(loop, future, on_success)
         try:
-            self._send(make(call_id))
+            child.send(make(call_id))
         except BaseException:
             with self._lock:
-                self._calls.pop(call_id, None)
+                child.calls.pop(call_id, None)
             raise
         return await future
 
-    def _read(self) -> None:
-        """The reader thread: dispatch the child's messages until its end closes. It takes
-        whatever has arrived in one read, so a busy event loop (holding the GIL) costs it one
-        GIL hand-over per batch of steps, not one per step."""
-        reader = FrameReader(self._sock)
+    def _watch(self, child: _Child) -> None:
+        reader = threading.Thread(
+            target=self._read, args=(child,), name="rlgateway-engine-reader", daemon=True
+        )
+        self._readers.append(reader)
+        reader.start()
+
+    def _read(self, child: _Child) -> None:
+        """The reader thread of `child`: dispatch its messages until its end closes, then fail
+        what was in flight on it and, unless closing, start a new child. It takes whatever has
+        arrived in one read, so a busy event loop (holding the GIL) costs it one GIL hand-over
+        per batch of steps, not one per step."""
         try:
             while True:
-                for msg in reader.read():
+                for msg in child.frames.read():
                     if isinstance(msg, Step):
-                        self._on_step(msg)
+                        self._on_step(child, msg)
                     elif isinstance(msg, Reply):
-                        self._on_reply(msg)
+                        self._on_reply(child, msg)
                     else:
                         raise TypeError(f"unexpected message {type(msg).__name__}")
         except (EOFError, OSError):
             pass
         except BaseException:
-            log.exception("the engine reader failed")
-        finally:
-            self._on_exit()
+            log.exception("the engine reader failed; stopping its engine process")
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.kill()
+        delay = self._on_exit(child)
+        if delay is not None:
+            self._restart_after(delay)
 
-    def _on_step(self, msg: Step) -> None:
+    def _on_step(self, child: _Child, msg: Step) -> None:
         self._version = msg.version
         self.stats = msg.stats
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = (
             defaultdict(list)
         )
         with self._lock:
-            live = self._live
+            live = child.live
             for rid, ids, logprobs, versions, finish, tops in msg.chunks:
                 stream = live.get(rid) if finish is None else live.pop(rid, None)
                 if stream is not None:
                     reason = FinishReason(finish) if finish is not None else None
                     chunk = TokenChunk(ids, logprobs, versions, reason, tops)
                     by_loop[stream.loop].append((stream.queue, chunk))
-            for rid, message in msg.errors:
+            for rid, kind, message, retry_after in msg.errors:
                 stream = live.pop(rid, None)
                 if stream is not None:
-                    by_loop[stream.loop].append((stream.queue, EngineUnavailableError(message)))
+                    by_loop[stream.loop].append((stream.queue, _error(kind, message, retry_after)))
         _post(by_loop)
 
-    def _on_reply(self, msg: Reply) -> None:
+    def _on_reply(self, child: _Child, msg: Reply) -> None:
         with self._lock:
-            loop, future = self._calls.pop(msg.call_id)
+            call = child.calls.pop(msg.call_id)
         result: Any = msg.value
         if msg.error is not None:
             result = _error(*msg.error)
-        elif isinstance(msg.value, int):  # a weight swap's new version
-            self._version = msg.value
+        else:
+            if isinstance(msg.value, int):  # a weight swap's new version
+                self._version = msg.value
+            if call.on_success is not None:
+                call.on_success(msg.value)
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_settle, future, result)
+            call.loop.call_soon_threadsafe(_settle, call.future, result)
 
-    def _on_exit(self) -> None:
-        code = self._proc.wait()
+    def _on_exit(self, child: _Child) -> float | None:
+        """`child` is gone: fail what it held; return the backoff before a restart, or None
+        when there is to be none (closing, or too many deaths)."""
+        code = child.proc.wait()
+        child.sock.close()
         with self._lock:
+            if self._child is child:
+                self._child = None
+            delay = None
             if self._closing:
-                failure = "the engine process is closed"
+                reason = "the engine process is closed"
+                self._down = reason
             else:
-                failure = f"the engine process (pid {self.pid}) exited with code {code}"
-                log.error("%s", failure)
-            self._failure = failure
-            streams, self._live = list(self._live.values()), {}
-            calls, self._calls = list(self._calls.values()), {}
+                reason = f"the engine process (pid {child.pid}) exited with code {code}"
+                delay = self._plan_restart(reason)
+                log.error("%s", self._down)
+            retry_after = self._retry_after()
+            streams, child.live = list(child.live.values()), {}
+            calls, child.calls = list(child.calls.values()), {}
+        error = self._down or reason
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = (
             defaultdict(list)
         )
         for stream in streams:
-            by_loop[stream.loop].append((stream.queue, EngineUnavailableError(failure)))
+            by_loop[stream.loop].append(
+                (stream.queue, EngineUnavailableError(error, retry_after=retry_after))
+            )
         _post(by_loop)
-        for loop, future in calls:
+        for call in calls:
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, future, EngineUnavailableError(failure))
+                call.loop.call_soon_threadsafe(
+                    _settle, call.future, EngineUnavailableError(error, retry_after=retry_after)
+                )
+        return delay
+
+    def _plan_restart(self, reason: str) -> float | None:
+        """Count a death (or a failed start) and set `_down`; the backoff before the next start,
+        or None when the policy allows no more. Called with `_lock` held."""
+        policy = self.restart
+        now = time.monotonic()
+        while self._deaths and now - self._deaths[0] > policy.window_s:
+            self._deaths.popleft()
+        if len(self._deaths) >= policy.max_restarts:
+            self._down = (
+                f"{reason}; it died {len(self._deaths) + 1} times within {policy.window_s:.0f} s, "
+                "so it is not started again: restart the gateway"
+            )
+            self._retry_at = None
+            return None
+        delay = min(policy.backoff_s * 2.0 ** len(self._deaths), policy.max_backoff_s)
+        self._deaths.append(now)
+        self._down = f"{reason}; restarting it (restart {self.restarts + 1})"
+        self._retry_at = now + delay + self._start_s
+        return delay
+
+    def _restart_after(self, delay: float) -> None:
+        """Start new children until one is up (with the current weights), the policy gives up,
+        or the engine closes."""
+        while not self._wake.wait(delay):
+            started = time.monotonic()
+            try:
+                child = self._start_child()
+            except Exception as exc:
+                log.exception("restarting the engine process failed")
+                with self._lock:
+                    next_delay = self._plan_restart(f"restarting the engine process failed: {exc}")
+                if next_delay is None:
+                    log.error("%s", self._down)
+                    return
+                delay = next_delay
+                continue
+            with self._lock:
+                closing = self._closing
+                if not closing:
+                    self._start_s = time.monotonic() - started
+                    self._child = child
+                    self._down = None
+                    self._retry_at = None
+                    self.restarts += 1
+                    self.pid = child.pid
+                    self._version = child.ready.version
+            if closing:
+                child.kill()
+                return
+            log.warning(
+                "the engine process was restarted (pid %d, version %d, restart %d)",
+                child.pid,
+                self._version,
+                self.restarts,
+            )
+            self._watch(child)
+            return
+
+    def _start_child(self) -> _Child:
+        """A new child on the current weights and version, paused if the engine is."""
+        from engines.local import EngineStats
+
+        child = _spawn(self.config, self._threads_asked)
+        with self._lock:
+            applied, paused = self._applied, self._paused
+        shared: SharedWeights | None = None
+        try:
+            if applied is not None:
+                if applied.path is None:
+                    shared = self._stage.restage()
+                    assert shared is not None, "a state dict was applied but is not kept"
+                reply = child.ask(
+                    LoadWeights(-1, applied.version, shared=shared, path=applied.path)
+                )
+                if reply.error is not None:
+                    raise EngineUnavailableError(
+                        f"the new engine process refused the current weights (version "
+                        f"{applied.version}): {reply.error[1]}"
+                    )
+                child.ready = dataclasses.replace(child.ready, version=applied.version)
+            if paused:
+                child.ask(Control(-1, "pause"))
+        except BaseException:
+            child.kill()
+            raise
+        finally:
+            if shared is not None:
+                unlink(shared)
+        self.stats = EngineStats()
+        return child
 
 
 def _post(

@@ -8,13 +8,17 @@ one `Step` message. The process exits when told to close or when the gateway's e
 (EOF), so it never outlives the gateway. SIGINT and SIGTERM are ignored: a Ctrl-C at the
 terminal, or a service manager's SIGTERM to the process group, reaches this process too, and the
 gateway, not this process, decides when the engine stops (after its requests in flight have
-finished, so a clean shutdown is not mistaken for an engine crash).
+finished, so a clean shutdown is not mistaken for an engine crash). If the engine's worker
+fails (`engines.local.MAX_FAILED_STEPS` failed steps in a row, or a weight swap that failed
+half-way), the process exits with `EXIT_ENGINE_FAILED` once the failure was sent, so that the
+gateway's side (`engines.process.ProcessEngine`) starts a fresh one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pickle
 import signal
 import sys
@@ -24,7 +28,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engines.base import WeightUpdate
-from engines.errors import EngineError, InvalidRequestError, WeightUpdateError
+from engines.errors import (
+    EngineError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    RequestFailedError,
+    WeightUpdateError,
+)
 from engines.ipc import (
     Abort,
     ChunkRow,
@@ -45,11 +55,12 @@ from engines.ipc import (
 if TYPE_CHECKING:
     import concurrent.futures
 
-    import torch
-
     from engines.local import LocalEngine, _Item
 
 log = logging.getLogger("engines.process_main")
+
+EXIT_ENGINE_FAILED = 70
+"""The exit code of an engine process whose engine failed (EX_SOFTWARE)."""
 
 
 class _Sender:
@@ -75,10 +86,11 @@ class _PipeConsumer:
 
     def deliver(self, items: list[tuple[str, _Item]]) -> None:
         chunks: list[ChunkRow] = []
-        errors: list[tuple[str, str]] = []
+        errors: list[tuple[str, ErrorKind, str, float | None]] = []
         for request_id, item in items:
             if isinstance(item, BaseException):
-                errors.append((request_id, str(item)))
+                retry = item.retry_after if isinstance(item, EngineUnavailableError) else None
+                errors.append((request_id, _kind(item), str(item), retry))
             else:
                 finish = item.finish_reason.value if item.finish_reason is not None else None
                 chunks.append(
@@ -99,6 +111,8 @@ def _kind(exc: BaseException) -> ErrorKind:
         return "weight_update"
     if isinstance(exc, InvalidRequestError):
         return "invalid"
+    if isinstance(exc, RequestFailedError):
+        return "failed"
     return "unavailable"
 
 
@@ -107,7 +121,6 @@ class _Server:
         self.engine = engine
         self.sender = sender
         self.consumer = _PipeConsumer(engine, sender)
-        self.maps: dict[str, torch.Tensor] = {}
 
     def handle(self, msg: ToEngine) -> bool:
         """Serve one command; False once the engine is closed."""
@@ -143,9 +156,11 @@ class _Server:
         try:
             if msg.shared is not None:
                 # Mapped first, so that the gateway may unlink the file once this is answered.
-                update = WeightUpdate(
-                    state_dict=open_shared(msg.shared, self.maps), version=msg.version
-                )
+                try:
+                    state = open_shared(msg.shared)
+                except (OSError, ValueError) as exc:  # gone or short: refuse, change nothing
+                    raise WeightUpdateError(f"could not map the staged weights: {exc}") from exc
+                update = WeightUpdate(state_dict=state, version=msg.version)
             else:
                 assert msg.path is not None
                 update = WeightUpdate(path=Path(msg.path), version=msg.version)
@@ -195,6 +210,9 @@ def main(argv: list[str]) -> int:
         )
     )
     server = _Server(engine, sender)
+    threading.Thread(
+        target=_exit_if_failed, args=(engine,), name="rlgateway-engine-watch", daemon=True
+    ).start()
     while True:
         try:
             data = conn.recv_bytes()
@@ -203,6 +221,16 @@ def main(argv: list[str]) -> int:
             return 0
         if not server.handle(pickle.loads(data)):
             return 0
+
+
+def _exit_if_failed(engine: LocalEngine) -> None:
+    """Exit the process once the engine's worker has failed. The worker sent every request's
+    failure before it stopped; an engine that failed cannot serve again, a fresh process can."""
+    failure = engine.wait_stopped()
+    if failure is not None:
+        log.error("the engine failed (%r); exiting so that a fresh engine process starts", failure)
+        logging.shutdown()
+        os._exit(EXIT_ENGINE_FAILED)
 
 
 if __name__ == "__main__":

@@ -207,21 +207,16 @@ class RemoteEngine(abc.ABC):
                 live.sub_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
                 live.started = asyncio.Event()
                 last: Piece | None = None
-                pieces = self._submit(
-                    live.sub_id, request.prompt_ids + tuple(produced), sub_sampling
-                )
                 try:
-                    # aclosing: when our own consumer leaves mid-stream, the sub-request's
-                    # generator (and the HTTP response it holds) is closed now, on this loop,
-                    # not by the garbage collector once the loop may be gone
-                    async with contextlib.aclosing(pieces):
-                        async for piece in pieces:
-                            live.started.set()
-                            if piece.finish is not None:
-                                last = piece
-                            elif piece.token_ids:
-                                produced += piece.token_ids
-                                yield _chunk(piece, version, None)
+                    async for piece in self._submit(
+                        live.sub_id, request.prompt_ids + tuple(produced), sub_sampling
+                    ):
+                        live.started.set()
+                        if piece.finish is not None:
+                            last = piece
+                        elif piece.token_ids:
+                            produced += piece.token_ids
+                            yield _chunk(piece, version, None)
                 except ServerPaused:
                     await asyncio.sleep(PAUSED_RETRY_S)
                     continue

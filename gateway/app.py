@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi.responses import JSONResponse
 
 from gateway.deps import (
     Components,
@@ -25,8 +25,9 @@ from gateway.deps import (
     accept_any_config,
     build_gateway,
 )
-from gateway.errors import PayloadTooLarge, error_body, install_error_handlers
-from gateway.metrics import GatewayMetrics, RequestMetrics
+from gateway.errors import install_error_handlers
+from gateway.limits import BodyLimit
+from gateway.metrics import GatewayMetrics, RequestMetrics, engine_health
 from gateway.settings import GatewaySettings
 from store import Store
 
@@ -79,55 +80,6 @@ async def load_components(settings: GatewaySettings) -> Components:
     )
 
 
-class BodyLimit:
-    """413 for request bodies over `limit` bytes, declared or streamed, before a route sees them."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(send)
-            return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise PayloadTooLarge(self._message())
-            return message
-
-        await self.app(scope, limited, send)
-
-    def _message(self) -> str:
-        return (
-            f"request body is larger than {self.limit} bytes: send less (or raise max_body_bytes)"
-        )
-
-    async def _reject(self, send: Send) -> None:
-        import json
-
-        body = json.dumps(
-            error_body(self._message(), "invalid_request_error", None, "payload_too_large")
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-
 def create_app(
     settings: GatewaySettings,
     components: Components | None = None,
@@ -174,6 +126,9 @@ def create_app(
         title="rlgateway",
         summary="OpenAI-compatible gateway that records every token for RL",
         lifespan=lifespan,
+        # /docs is the gateway's own page (gateway/routes/ui.py): nothing loaded from a CDN
+        docs_url=None,
+        redoc_url=None,
     )
     install_error_handlers(app)
     app.include_router(openai.router)
@@ -184,15 +139,25 @@ def create_app(
         app.include_router(r.router)
 
     @app.get("/health", include_in_schema=False)
-    async def health(gw: GatewayDep) -> dict[str, Any]:
-        h = await gw.engine.health()
-        return {
+    async def health(gw: GatewayDep) -> JSONResponse:
+        """Readiness: 200 while the engine can serve, 503 (with the reason) while it cannot."""
+        h = await engine_health(gw.engine)
+        body: dict[str, Any] = {
             "ok": h.ok,
             "version": h.version,
             "paused": h.paused,
             "running": h.running,
             "waiting": h.waiting,
+            "restarts": h.restarts,
         }
+        if not h.ok:
+            body["reason"] = h.detail
+        return JSONResponse(body, status_code=200 if h.ok else 503)
+
+    @app.get("/health/live", include_in_schema=False)
+    async def live() -> dict[str, Any]:
+        """Liveness: 200 while this process serves HTTP, whatever the engine's state."""
+        return {"ok": True}
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics)

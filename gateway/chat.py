@@ -2,13 +2,16 @@
 respond (JSON or server-sent events).
 
 The response is sent only after its completions are committed; a stream's final chunks (finish
-reasons, usage) likewise wait for the commit, and a stream whose client goes away is committed with
-what was generated, marked aborted.
+reasons, usage) likewise wait for the commit. A turn whose client goes away (a stream, or a request
+cancelled because its client disconnected) is committed with what was generated, marked aborted;
+so is a stream whose engine fails after its first token, which then ends with an SSE error event.
+A stream answers only once its first piece was generated: a failure before it is an HTTP error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -28,13 +31,21 @@ from gateway.chat_render import (
     parse_tool_calls,
     tool_call_json,
 )
-from gateway.choices import ChoiceRun, RunGroup, TokenPieces, chat_logprobs, sse_chunk
+from gateway.choices import (
+    ChoiceRun,
+    EventStream,
+    RunGroup,
+    TokenPieces,
+    chat_logprobs,
+    sse_chunk,
+    sse_error,
+)
 from gateway.detok import IncrementalDecoder
 from gateway.errors import BadRequest
 from gateway.openai_types import ChatCompletionRequest, NamedToolChoice
-from gateway.recorder import ChoiceOutcome, Plan, Recorder
-from gateway.segments import LiveSegment, chat_transcript, extends
-from store.types import TurnStatus
+from gateway.recorder import ChoiceOutcome, Match, Plan, Recorder
+from gateway.segments import LiveSegment, chat_transcript, extends, repeats
+from store.types import JSON, LastTurn, TurnStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,17 +64,31 @@ def chat_inputs(body: ChatCompletionRequest) -> ChatInputs:
         raise BadRequest(
             "tool_choice needs tools: pass the tools to choose from", param="tool_choice"
         )
-    prefill = ""
-    if choice == "required":
-        prefill = f"{TOOL_CALL_OPEN}\n"
-    elif isinstance(choice, NamedToolChoice):
+    if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in {t["function"]["name"] for t in tools}:
             raise BadRequest(
                 f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
             )
-        prefill = f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
-    return ChatInputs(normalize_messages(body.messages), tools, choice != "none", prefill)
+    return ChatInputs(normalize_messages(body.messages), tools, choice != "none", _prefill(choice))
+
+
+def _prefill(choice: str | NamedToolChoice | None) -> str:
+    if isinstance(choice, NamedToolChoice):
+        return _named_prefill(choice.function.name)
+    return f"{TOOL_CALL_OPEN}\n" if choice == "required" else ""
+
+
+def _named_prefill(name: str) -> str:
+    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
+
+
+def recorded_prefill(request: JSON) -> str:
+    """The prefill of a recorded request (its stored body, as `_Turn._commit` dumps it)."""
+    choice = request.get("tool_choice")
+    if isinstance(choice, dict):
+        return _named_prefill(str(choice["function"]["name"]))
+    return f"{TOOL_CALL_OPEN}\n" if choice == "required" else ""
 
 
 def sampling_params(body: Any, max_new: int | None, top_logprobs: int) -> SamplingParams:
@@ -124,42 +149,54 @@ class ChatService:
     # -- planning ----------------------------------------------------------------------------
 
     async def _prompt(
-        self, inputs: ChatInputs, session_id: str | None, n: int
+        self, inputs: ChatInputs, session_id: str | None, n: int, retry: bool
     ) -> tuple[list[int], Plan | None]:
         r = self.renderer
-
-        def fresh() -> list[int]:
-            return r.prompt(inputs.messages, inputs.tools, inputs.prefill)
-
+        fresh = functools.partial(r.prompt, inputs.messages, inputs.tools, inputs.prefill)
         if session_id is None or self.recorder is None:
-            return fresh(), None
+            return await asyncio.to_thread(fresh), None
 
-        def choose(segments: list[LiveSegment]) -> tuple[LiveSegment | None, list[int] | None]:
+        def choose(segments: list[LiveSegment]) -> Match | None:
             for seg in reversed(segments):
-                if extends(seg.transcript, inputs.messages, inputs.tools):
-                    assert seg.transcript is not None
-                    prompt = r.continuation(
+                transcript = seg.transcript
+                assert transcript is not None
+                if extends(transcript, inputs.messages, inputs.tools):
+                    render = functools.partial(
+                        r.continuation,
                         seg.tokens,
-                        seg.transcript["messages"],
+                        transcript["messages"],
                         inputs.messages,
                         inputs.tools,
                         inputs.prefill,
                     )
-                    return seg, prompt
-            return None, None
+                    return Match(seg, render)
+                last = seg.replaceable(retry=retry)
+                if last is not None and self._repeats(seg, last, inputs):
+                    return Match(seg, functools.partial(list, seg.tokens[: last.prompt_len]), last)
+            return None
 
         plan = await self.recorder.plan(session_id, n, choose, fresh)
         return plan.prompt_ids, plan
 
+    @staticmethod
+    def _repeats(seg: LiveSegment, last: LastTurn, inputs: ChatInputs) -> bool:
+        """The request is the one `last` answered, so its prompt is `last`'s."""
+        return repeats(seg.transcript, inputs.messages, inputs.tools) and (
+            recorded_prefill(last.request) == inputs.prefill
+        )
+
     # -- the request -------------------------------------------------------------------------
 
     async def create(
-        self, body: ChatCompletionRequest, session_id: str | None
-    ) -> dict[str, Any] | AsyncIterator[str]:
+        self, body: ChatCompletionRequest, session_id: str | None, *, retry: bool = False
+    ) -> dict[str, Any] | EventStream:
+        """The response (JSON), or for `stream` the SSE events, once the first piece was
+        generated. `retry`: the client says this repeats a request whose reply it never got
+        (`gateway.segments`)."""
         inputs = chat_inputs(body)
         top = (body.top_logprobs or 0) if body.logprobs else 0
         sp = sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
-        prompt, plan = await self._prompt(inputs, session_id, body.n)
+        prompt, plan = await self._prompt(inputs, session_id, body.n, retry)
         try:
             runs = [
                 ChoiceRun(
@@ -182,7 +219,8 @@ class ChatService:
             raise
         turn = _Turn(self, body, inputs, prompt, plan, runs, sp)
         if body.stream:
-            return turn.stream()
+            await turn.start_stream()
+            return EventStream(turn.stream(), turn.close)
         return await turn.complete()
 
 
@@ -209,6 +247,7 @@ class _Turn:
         self.id = f"chatcmpl-{uuid.uuid4().hex[:29]}"
         self.created = int(time.time())
         self.committed = False
+        self.group = RunGroup(runs)
 
     def completion_id(self, i: int) -> str:
         return self.id if len(self.runs) == 1 else f"{self.id}-{i}"
@@ -297,9 +336,17 @@ class _Turn:
 
     async def complete(self) -> dict[str, Any]:
         try:
-            await asyncio.gather(*(r.run() for r in self.runs))
-        except BaseException:
-            self._release()
+            await self.group.wait()
+        except BaseException as exc:
+            self.group.cancel()
+            # Cancelled (its client went away): record what was generated, aborted. Failed: the
+            # client gets the error, and nothing is recorded.
+            with anyio.CancelScope(shield=True):
+                if isinstance(exc, Exception):
+                    await self.group.settle()
+                    self._release()
+                else:
+                    await self._abort_commit()
             raise
         choices = [self._choice_json(r) for r in self.runs]
         await self._commit(choices, aborted=False)
@@ -325,11 +372,18 @@ class _Turn:
             usage=usage,
         )
 
+    async def start_stream(self) -> None:
+        """Start generating and return once a choice has produced its first piece, so that a
+        failure before it reaches the client as an HTTP error rather than a broken stream."""
+        try:
+            await self.group.start()
+        except BaseException:
+            await self.close()
+            raise
+
     async def stream(self) -> AsyncIterator[str]:
         sent_text = [0] * len(self.runs)
         sent_tokens = [0] * len(self.runs)
-        group = RunGroup(self.runs)
-        finished = False
         try:
             for run in self.runs:
                 yield self._chunk(
@@ -342,13 +396,20 @@ class _Turn:
                         }
                     ]
                 )
-            async for item in group.progress():
-                delta = self._delta(item, sent_text, sent_tokens)
-                if delta is not None:
-                    yield self._chunk([delta])
-            choices = [self._choice_json(r) for r in self.runs]
-            await self._commit(choices, aborted=False)
-            finished = True
+            try:
+                async for item in self.group.progress():
+                    delta = self._delta(item, sent_text, sent_tokens)
+                    if delta is not None:
+                        yield self._chunk([delta])
+                choices = [self._choice_json(r) for r in self.runs]
+                await self._commit(choices, aborted=False)
+            except Exception as exc:
+                # The engine (or the store) failed after the stream began: record what was
+                # generated, aborted, then say so in the stream and end it cleanly.
+                await self.close()
+                yield sse_error(exc)
+                yield "data: [DONE]\n\n"
+                return
             for run, choice in zip(self.runs, choices, strict=True):
                 tail: dict[str, Any] = {}
                 if choice["message"].get("tool_calls"):
@@ -373,16 +434,22 @@ class _Turn:
                 yield self._chunk([], usage=self._usage())
             yield "data: [DONE]\n\n"
         finally:
-            group.cancel()
-            if not finished:
-                # The server cancels a response whose client left through an anyio cancel scope,
-                # which would cancel these awaits too: shield them, the turn must be recorded.
-                with anyio.CancelScope(shield=True):
-                    await self._abort_commit(group)
+            await self.close()
 
-    async def _abort_commit(self, group: RunGroup) -> None:
-        """The client went away (or the engine failed): keep what was generated, marked aborted."""
-        await group.settle()
+    async def close(self) -> None:
+        """Stop generating; record the turn, aborted, unless it was committed (idempotent)."""
+        self.group.cancel()
+        # The server cancels a response whose client left through an anyio cancel scope, which
+        # would cancel these awaits too: shield them, the turn must be recorded.
+        with anyio.CancelScope(shield=True):
+            await self._abort_commit()
+
+    async def _abort_commit(self) -> None:
+        """The client went away (or the engine failed): keep what was generated, marked aborted
+        (nothing, when nothing was generated)."""
+        await self.group.settle()
+        if self.committed:
+            return
         if any(r.ids for r in self.runs):
             for r in self.runs:
                 r.mark_aborted()

@@ -1,5 +1,11 @@
 """One generated choice: drives an engine stream token by token, applies stop strings, and keeps
-the exact sampled ids, behaviour logprobs and versions (truncated where a stop string matched)."""
+the exact sampled ids, behaviour logprobs and versions (truncated where a stop string matched).
+
+`RunGroup` drives a request's choices together. A stream starts it and waits for the first piece
+(`start`) before it answers, so a failure before any token (the engine unavailable, a request it
+refuses) is an HTTP error; a failure after it is an SSE error event (`sse_error`), as OpenAI and
+vLLM send it.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +13,13 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import GenerateRequest, TokenChunk
 from gateway.detok import IncrementalDecoder
+from gateway.errors import error_body, translate
 
 
 @dataclass(eq=False, slots=True)
@@ -95,33 +102,79 @@ def sse_chunk(
     return f"data: {json.dumps(body)}\n\n"
 
 
+def sse_error(exc: Exception) -> str:
+    """The server-sent event of a stream that failed after it began: `{"error": {...}}` in
+    OpenAI's shape (the SDK raises it as an APIError)."""
+    err = translate(exc)
+    return f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class EventStream:
+    """A started stream: its server-sent events, and `close`, which stops it in whatever state it
+    is (recording the turn, aborted, unless it finished). The response calls `close` when it
+    ends, even if its events were never read (a client gone before the first one)."""
+
+    events: AsyncIterator[str]
+    close: Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    error: Exception | None
+
+
 class RunGroup:
     """Drives a request's choices concurrently and reports each run whenever it has new tokens
     (the streaming routes turn these into SSE chunks)."""
 
     def __init__(self, runs: list[ChoiceRun]) -> None:
         self.runs = runs
-        self._queue: asyncio.Queue[ChoiceRun | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[ChoiceRun | _Ended] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self._running = 0
+        self._first: ChoiceRun | _Ended | None = None
 
     async def _drive(self, run: ChoiceRun) -> None:
         try:
             await run.run(on_progress=self._queue.put_nowait)
-        finally:
-            self._queue.put_nowait(None)
+        except Exception as exc:  # reported to whoever reads the group, and raised there
+            self._queue.put_nowait(_Ended(exc))
+        else:
+            self._queue.put_nowait(_Ended(None))
+
+    def _launch(self) -> None:
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._drive(r)) for r in self.runs]
+            self._running = len(self.runs)
+
+    async def start(self) -> None:
+        """Start every run and wait for the first piece of any (or the end of one); re-raise a
+        run's failure before that."""
+        self._launch()
+        first = await self._queue.get()
+        if isinstance(first, _Ended) and first.error is not None:
+            raise first.error
+        self._first = first
 
     async def progress(self) -> AsyncIterator[ChoiceRun]:
-        """Start every run; yield runs as they progress; re-raise a run's failure at the end."""
-        self._tasks = [asyncio.create_task(self._drive(r)) for r in self.runs]
-        remaining = len(self.runs)
-        while remaining:
-            run = await self._queue.get()
-            if run is None:
-                remaining -= 1
+        """Yield runs as they progress until every run has ended; re-raise a run's failure as
+        soon as it happens."""
+        self._launch()
+        while self._running:
+            event = self._first if self._first is not None else await self._queue.get()
+            self._first = None
+            if isinstance(event, _Ended):
+                self._running -= 1
+                if event.error is not None:
+                    raise event.error
                 continue
-            yield run
-        for t in self._tasks:
-            t.result()
+            yield event
+
+    async def wait(self) -> None:
+        """Run every choice to its end; re-raise the first failure."""
+        async for _ in self.progress():
+            pass
 
     def cancel(self) -> None:
         for t in self._tasks:

@@ -1,7 +1,9 @@
 """`/v1/completions`: a text or token-id prompt, n choices, recorded like chat turns.
 
 A token prompt that starts with one of the session's completion segments extends it (the exact
-tokens are right there in the prompt); anything else opens a segment.
+tokens are right there in the prompt); one that repeats the prompt of a segment's aborted last turn
+(or, for a retry, of its completed last turn) takes that turn's place (`gateway.segments`);
+anything else opens a segment. Failures, disconnects and streams behave as in `gateway/chat.py`.
 """
 
 from __future__ import annotations
@@ -17,12 +19,20 @@ import anyio
 from engines.base import Engine
 from gateway.chat import choice_requests, sampling_params
 from gateway.chat_render import ChatRenderer
-from gateway.choices import ChoiceRun, RunGroup, TokenPieces, completion_logprobs, sse_chunk
+from gateway.choices import (
+    ChoiceRun,
+    EventStream,
+    RunGroup,
+    TokenPieces,
+    completion_logprobs,
+    sse_chunk,
+    sse_error,
+)
 from gateway.detok import IncrementalDecoder
 from gateway.errors import BadRequest
 from gateway.openai_types import CompletionRequest
-from gateway.recorder import ChoiceOutcome, Plan, Recorder
-from gateway.segments import LiveSegment, extends_tokens
+from gateway.recorder import ChoiceOutcome, Match, Plan, Recorder
+from gateway.segments import LiveSegment, extends_tokens, repeats_tokens
 from store.types import TurnStatus
 
 COMPLETION_TRANSCRIPT = {"kind": "completion"}
@@ -53,27 +63,37 @@ class CompletionService:
         self.model_name = model_name
         self.pieces = TokenPieces(renderer.tokenizer)
 
-    async def _plan(self, prompt: list[int], session_id: str | None, n: int) -> Plan | None:
+    async def _plan(
+        self, prompt: list[int], session_id: str | None, n: int, retry: bool
+    ) -> Plan | None:
         if session_id is None or self.recorder is None:
             return None
 
-        def choose(segments: list[LiveSegment]) -> tuple[LiveSegment | None, list[int] | None]:
+        def given() -> list[int]:
+            return prompt
+
+        def choose(segments: list[LiveSegment]) -> Match | None:
             for seg in reversed(segments):
                 if extends_tokens(seg, prompt):
-                    return seg, prompt
-            return None, None
+                    return Match(seg, given)
+                last = seg.replaceable(retry=retry)
+                if last is not None and repeats_tokens(seg, last, prompt):
+                    return Match(seg, given, last)
+            return None
 
-        return await self.recorder.plan(session_id, n, choose, lambda: prompt)
+        return await self.recorder.plan(session_id, n, choose, given)
 
     async def create(
-        self, body: CompletionRequest, session_id: str | None
-    ) -> dict[str, Any] | AsyncIterator[str]:
+        self, body: CompletionRequest, session_id: str | None, *, retry: bool = False
+    ) -> dict[str, Any] | EventStream:
+        """As `ChatService.create`."""
         top = body.logprobs or 0
         sp = sampling_params(body, body.max_tokens, top)
         groups: list[tuple[list[int], Plan | None, list[ChoiceRun]]] = []
+        prompts = await asyncio.to_thread(prompts_of, body, self.renderer)
         try:
-            for prompt in prompts_of(body, self.renderer):
-                plan = await self._plan(prompt, session_id, body.n)
+            for prompt in prompts:
+                plan = await self._plan(prompt, session_id, body.n, retry)
                 groups.append((prompt, plan, []))
                 for req in choice_requests(
                     sp, prompt, body.n, session_id, stream=bool(body.stream)
@@ -92,7 +112,10 @@ class CompletionService:
             self._release(groups)
             raise
         turn = _CompletionTurn(self, body, groups, sp)
-        return turn.stream() if body.stream else await turn.complete()
+        if body.stream:
+            await turn.start_stream()
+            return EventStream(turn.stream(), turn.close)
+        return await turn.complete()
 
     def _release(self, groups: list[tuple[list[int], Plan | None, list[ChoiceRun]]]) -> None:
         for _, plan, _ in groups:
@@ -116,6 +139,7 @@ class _CompletionTurn:
         self.created = int(time.time())
         self.runs = [r for _, _, runs in groups for r in runs]
         self.done = False
+        self.group = RunGroup(self.runs)
 
     def completion_id(self, i: int) -> str:
         return self.id if len(self.runs) == 1 else f"{self.id}-{i}"
@@ -182,9 +206,15 @@ class _CompletionTurn:
 
     async def complete(self) -> dict[str, Any]:
         try:
-            await asyncio.gather(*(r.run() for r in self.runs))
-        except BaseException:
-            self._release()
+            await self.group.wait()
+        except BaseException as exc:
+            self.group.cancel()
+            with anyio.CancelScope(shield=True):  # as in gateway/chat.py: cancelled is aborted
+                await self.group.settle()
+                if isinstance(exc, Exception):
+                    self._release()
+                else:
+                    await self._commit(aborted=True)
             raise
         await self._commit(aborted=False)
         return {
@@ -206,27 +236,46 @@ class _CompletionTurn:
             usage=usage,
         )
 
+    async def start_stream(self) -> None:
+        """Start generating; return once a choice has produced its first piece (a failure before
+        it is an HTTP error)."""
+        try:
+            await self.group.start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Stop generating; record what was generated, aborted, unless committed (idempotent)."""
+        self.group.cancel()
+        with anyio.CancelScope(shield=True):  # see gateway/chat.py: record it anyway
+            await self.group.settle()
+            await self._commit(aborted=True)
+
     async def stream(self) -> AsyncIterator[str]:
         sent = [0] * len(self.runs)
-        group = RunGroup(self.runs)
-        finished = False
         try:
-            async for run in group.progress():
-                text = run.decoder.safe_text()
-                if len(text) > sent[run.index]:
-                    yield self._chunk(
-                        [
-                            {
-                                "index": run.index,
-                                "text": text[sent[run.index] :],
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ]
-                    )
-                    sent[run.index] = len(text)
-            await self._commit(aborted=False)
-            finished = True
+            try:
+                async for run in self.group.progress():
+                    text = run.decoder.safe_text()
+                    if len(text) > sent[run.index]:
+                        yield self._chunk(
+                            [
+                                {
+                                    "index": run.index,
+                                    "text": text[sent[run.index] :],
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
+                        sent[run.index] = len(text)
+                await self._commit(aborted=False)
+            except Exception as exc:  # failed after the stream began: see gateway/chat.py
+                await self.close()
+                yield sse_error(exc)
+                yield "data: [DONE]\n\n"
+                return
             for run in self.runs:
                 yield self._chunk(
                     [
@@ -243,8 +292,4 @@ class _CompletionTurn:
                 yield self._chunk([], usage=self._usage())
             yield "data: [DONE]\n\n"
         finally:
-            group.cancel()
-            if not finished:
-                with anyio.CancelScope(shield=True):  # see gateway/chat.py: record it anyway
-                    await group.settle()
-                    await self._commit(aborted=True)
+            await self.close()

@@ -2,17 +2,25 @@
 
 Routes raise these (or let engine/store errors through); `install_error_handlers` turns every one
 into `{"error": {"message", "type", "param", "code"}}` with the right status, at the edge only.
+Request schemas refuse what is wrong with a field's own value as a 422 (pydantic's check), and what
+only the request as a whole shows (text that is not UTF-8, a tool result with no call) as a 400,
+raising `invalid_input(...)` in a validator. Anything else that escapes a route, a bug, is a 500 in
+the same shape, never plain text.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from engines.errors import (
     EngineUnavailableError,
@@ -84,15 +92,79 @@ class Unavailable(GatewayError):
     status = 503
     type = "service_unavailable"
 
+    def __init__(
+        self, message: str, *, param: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, param=param)
+        self.retry_after = retry_after
+        """Seconds after which a retry may succeed (`Retry-After`), when known."""
+
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def _respond(exc: GatewayError) -> JSONResponse:
+class ErrorDetail(BaseModel):
+    message: str
+    """What went wrong and what to do about it."""
+    type: str
+    """invalid_request_error, authentication_error, permission_error, not_found_error, ..."""
+    param: str | None
+    """The request field at fault (dotted: `messages.0.content`), when there is one."""
+    code: str | None
+    """A stable code for some errors (invalid_api_key, context_length_exceeded, ...)."""
+
+
+class ErrorBody(BaseModel):
+    """Every error response's body (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+_STATUS_DOCS = {
+    400: "Invalid request (the message names the field)",
+    401: "Missing or wrong API key",
+    403: "The key's scope does not cover this request",
+    404: "No such run, session or completion",
+    409: "Conflicts with the resource's state",
+    413: "Request body too large",
+    422: "A field's value is invalid (the message names the field)",
+    429: "At the staleness bound: retry after Retry-After seconds",
+    500: "Internal error",
+    503: "The inference engine is unavailable (retry later, or elsewhere)",
+}
+
+
+def error_docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses=` declarations of these error statuses, each with `ErrorBody`."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        doc: dict[str, Any] = {"model": ErrorBody, "description": _STATUS_DOCS[status]}
+        if status in (429, 503):
+            doc["headers"] = {
+                "Retry-After": {
+                    "description": "seconds to wait (on a 503, when the engine knows)",
+                    "schema": {"type": "integer"},
+                }
+            }
+        out[status] = doc
+    return out
+
+
+INVALID_INPUT = "rlgateway_invalid_input"
+"""The pydantic error type of `invalid_input`: the handler answers it with 400 and its param."""
+
+
+def invalid_input(message: str, param: str | None) -> PydanticCustomError:
+    """Raise this from a request schema's validator for a 400 with `param` (not a 422)."""
+    return PydanticCustomError(INVALID_INPUT, "{message}", {"message": message, "param": param})
+
+
+def error_response(exc: GatewayError) -> JSONResponse:
+    """The response of a gateway error: its status, OpenAI-shaped body and headers."""
     headers = {}
-    if isinstance(exc, TooManyRequests):
-        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    if isinstance(exc, TooManyRequests | Unavailable) and exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     if isinstance(exc, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(
@@ -117,7 +189,9 @@ def translate(exc: Exception) -> GatewayError:
     if isinstance(exc, WeightUpdateError):
         return Conflict(f"the weights were not loaded: {exc}")
     if isinstance(exc, EngineUnavailableError):
-        return Unavailable(f"the inference engine is unavailable: {exc}")
+        return Unavailable(
+            f"the inference engine is unavailable: {exc}", retry_after=exc.retry_after
+        )
     if isinstance(exc, NotFoundError):
         return NotFound(str(exc))
     if isinstance(exc, ConflictError):
@@ -126,12 +200,20 @@ def translate(exc: Exception) -> GatewayError:
     return GatewayError(f"internal error: {type(exc).__name__}")
 
 
+_LOCATIONS = ("body", "query", "path", "header", "cookie")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | None]:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return 400, "the request body is not valid JSON", None
+    for e in errors:
+        if e.get("type") == INVALID_INPUT:
+            return 400, str(e["ctx"]["message"]), e["ctx"]["param"]
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] in _LOCATIONS:
+        loc = loc[1:]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
     where = f" at '{param}'" if param else ""
@@ -150,15 +232,45 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        code = "payload_too_large" if exc.status_code == 413 else None
+        headers = dict(exc.headers or {})
+        message = str(exc.detail)
+        if exc.status_code == 405:
+            allowed = ", ".join(allowed_methods(request))
+            headers["Allow"] = allowed
+            message = f"{request.method} is not allowed on {request.url.path}: use {allowed}"
         return JSONResponse(
-            error_body(str(exc.detail), type_, None, None), status_code=exc.status_code
+            error_body(message, type_, None, code),
+            status_code=exc.status_code,
+            headers=headers,
         )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette's outermost middleware sends this response, then re-raises for the server
+        # to log; a response already under way (a stream) is cut off, as nothing can be sent.
+        return error_response(GatewayError(f"internal error: {type(exc).__name__}"))
 
     from engines.errors import EngineError
     from store.errors import StoreError
 
     async def _known(request: Request, exc: Exception) -> JSONResponse:
-        return _respond(translate(exc))
+        return error_response(translate(exc))
 
     for cls in (GatewayError, EngineError, StoreError):
         app.add_exception_handler(cls, _known)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this request's path (a 405's `Allow`). Starlette names
+    only the first route that matched the path, and a path often has one route per method, so
+    each method is matched against the app's routes again."""
+    allowed = []
+    for method in _METHODS:
+        scope = {**request.scope, "method": method, "fastapi": {}}
+        if any(r.matches(scope)[0] == Match.FULL for r in request.app.router.routes):
+            allowed.append(method)
+    return allowed
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")

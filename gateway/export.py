@@ -23,6 +23,10 @@ One JSON object per line, one line per session, oldest session first. Schema
 `tokens`, `loss_mask`, `logprobs` and `versions` always share one length. For SFT keep the
 tokens and train on `loss_mask`; for offline RL use `logprobs` as the behaviour policy and
 `turn_returns` (or `reward`) as the signal.
+
+Every line is strict JSON: numbers are finite (rewards are bounded, so their sums are too), and a
+value that is not (a row written before the bound) stops the export with an error rather than
+writing `Infinity` or `NaN`, which no JSON parser need accept.
 """
 
 from __future__ import annotations
@@ -76,4 +80,5 @@ async def jsonl(
     store: Store, run_id: str, where: SessionFilter, gamma: float
 ) -> AsyncIterator[str]:
     async for detail, transcripts in store.export_sessions(run_id, where, gamma=gamma):
-        yield json.dumps(trajectory_line(detail, transcripts), separators=(",", ":")) + "\n"
+        line = trajectory_line(detail, transcripts)
+        yield json.dumps(line, separators=(",", ":"), allow_nan=False) + "\n"

@@ -2,9 +2,9 @@
 
 Counted as they happen: HTTP requests and latencies by route template (never by raw path, so
 ids do not explode the label set), tokens captured into the store, prefix breaks, rewards,
-admission rejections (429). Read at scrape time: the engine's state (paused, version, load) and,
-from the store, each unstopped run's newest trainer step (step time, staleness, reward,
-throughput), so a trainer in another process shows up too.
+admission rejections (429). Read at scrape time: the engine's state (up, paused, version, load,
+restarts after it died) and, from the store, each unstopped run's newest trainer step (step
+time, staleness, reward, throughput), so a trainer in another process shows up too.
 
 Each app has its own `CollectorRegistry`, so several apps in one process (tests) do not clash.
 """
@@ -17,11 +17,30 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engines.base import EngineHealth
+from engines.errors import EngineError
 from store.types import CompletionRecord, RunStatus
 
 if TYPE_CHECKING:
     from engines.base import Engine
     from store import Store
+
+
+async def engine_health(engine: Engine) -> EngineHealth:
+    """The engine's health; an engine that cannot even say (its health call raised) is down,
+    with the error as the reason, so that a probe gets an answer either way."""
+    try:
+        return await engine.health()
+    except EngineError as exc:
+        return EngineHealth(
+            ok=False,
+            paused=False,
+            version=engine.version(),
+            running=0,
+            waiting=0,
+            detail=f"{type(exc).__name__}: {exc}",
+        )
+
 
 _TRAINER_FIELDS = {
     "step": "the newest training step",
@@ -66,6 +85,15 @@ class GatewayMetrics:
             "Session creations refused with 429 at the staleness bound",
             registry=r,
         )
+        self.engine_up = Gauge(
+            "rlgateway_engine_up", "1 while the engine can serve, 0 while it is down", registry=r
+        )
+        self.engine_restarts = Counter(
+            "rlgateway_engine_restarts",
+            "Times the engine was started again after it died",
+            registry=r,
+        )
+        self._restarts_seen = 0
         self.engine_paused = Gauge(
             "rlgateway_engine_paused", "1 while the engine is paused", registry=r
         )
@@ -97,7 +125,11 @@ class GatewayMetrics:
 
     async def refresh(self, engine: Engine, store: Store) -> None:
         """Read the gauges that live elsewhere: the engine, and the runs' newest steps."""
-        h = await engine.health()
+        h = await engine_health(engine)
+        self.engine_up.set(1 if h.ok else 0)
+        if h.restarts > self._restarts_seen:  # the engine keeps the total; count what is new
+            self.engine_restarts.inc(h.restarts - self._restarts_seen)
+            self._restarts_seen = h.restarts
         self.engine_paused.set(1 if h.paused else 0)
         self.engine_version.set(h.version)
         self.engine_running.set(h.running)

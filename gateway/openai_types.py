@@ -1,12 +1,31 @@
 """Request schemas of the OpenAI routes. Valid OpenAI fields the gateway does not use are accepted
 (extra="allow") and ignored; vLLM's common extensions (top_k, min_tokens, stop_token_ids,
-ignore_eos) are honoured."""
+ignore_eos) are honoured.
+
+Types are strict where OpenAI's API is (a boolean is `true` or `false`, not `"yes"` or `1`; a
+count is an integer, not `false` or `"2"`), and every number that reaches an engine is bounded:
+a field out of range is a 422 naming it and its limit. The body as a whole passes
+`gateway.limits.check_json` first (UTF-8 text, finite numbers: else a 400 naming the field), and
+what needs several fields is checked here too (prompts x n, tool results answer tool calls).
+`check_vocab` holds what needs the model's vocabulary, which a schema does not know.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, model_validator
+
+from engines.base import MAX_TOP_LOGPROBS
+from gateway.errors import BadRequest, invalid_input
+from gateway.limits import MAX_GENERATIONS, MAX_INT32, CheckedBody
+
+Int = Annotated[int, Strict()]
+"""An integer, not a boolean, float or string."""
+Num = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+"""A finite number (an integer is one), not a boolean or string."""
+TokenCount = Annotated[int, Strict(), Field(ge=1, le=MAX_INT32)]
+TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_INT32)]
 
 
 class _Open(BaseModel):
@@ -58,21 +77,23 @@ class NamedToolChoice(_Open):
 
 
 class StreamOptions(_Open):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
-class _Sampling(_Open):
+class _Sampling(_Open, CheckedBody):
     model: str | None = None
-    n: int = Field(1, ge=1, le=16)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_tokens: int = Field(0, ge=0)
+    n: Int = Field(1, ge=1, le=MAX_GENERATIONS)
+    temperature: Num | None = Field(None, ge=0.0, le=2.0)
+    top_p: Num | None = Field(None, gt=0.0, le=1.0)
+    top_k: Int | None = Field(None, ge=-1, le=MAX_INT32)
+    """-1 or 0: off; a k at or above the vocabulary keeps every token."""
+    min_tokens: Int = Field(0, ge=0, le=MAX_INT32)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    stream: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    """Within the model's vocabulary (`check_vocab`)."""
+    seed: Int | None = Field(None, ge=0, le=2**63 - 1)
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
     def stop_strings(self) -> list[str]:
@@ -82,16 +103,61 @@ class _Sampling(_Open):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
+    @model_validator(mode="after")
+    def _tool_results_answer_calls(self) -> Self:
+        """A tool message answers a call of the assistant message just before it (only other tool
+        results between), by that call's id: as OpenAI requires, and what a chat template needs
+        to render it as the result of that call."""
+        calls: set[str] = set()
+        for i, m in enumerate(self.messages):
+            if m.role == "assistant":
+                calls = {c.id for c in m.tool_calls or () if c.id is not None}
+            elif m.role != "tool":
+                calls = set()
+            elif m.tool_call_id not in calls:
+                where = f"messages.{i}.tool_call_id"
+                raise invalid_input(
+                    f"{where}: a tool message must answer a tool call of the assistant message "
+                    f"before it, by its id; {m.tool_call_id!r} is none of "
+                    f"{sorted(calls) or 'them (there are no tool calls to answer)'}",
+                    where,
+                )
+        return self
+
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    max_tokens: TokenCount | None = 16
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: StrictBool = False
+
+    @model_validator(mode="after")
+    def _bounded_generations(self) -> Self:
+        p = self.prompt
+        prompts = 1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p)
+        if prompts * self.n > MAX_GENERATIONS:
+            raise invalid_input(
+                f"prompt: {prompts} prompts x n={self.n} would be {prompts * self.n} "
+                f"generations; a request makes at most {MAX_GENERATIONS}: send fewer prompts per "
+                "request",
+                "prompt",
+            )
+        return self
+
+
+def check_vocab(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> None:
+    """BadRequest when `stop_token_ids` hold an id outside the model's vocabulary [0,
+    vocab_size): such an id can never be sampled, and a remote engine may refuse it."""
+    for i, t in enumerate(body.stop_token_ids or ()):
+        if t >= vocab_size:
+            raise BadRequest(
+                f"stop_token_ids.{i} is {t}, outside the vocabulary [0, {vocab_size})",
+                param="stop_token_ids",
+            )

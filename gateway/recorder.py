@@ -4,6 +4,10 @@
 requests of one session fork instead of interleaving; `commit` writes every choice of a request in
 one store transaction *before* the response is sent, then advances the live segments; `release`
 undoes a plan whose request failed, leaving the session as it was.
+
+Rendering and tokenizing a prompt run in a worker thread (a long message must not stall the other
+sessions): the request is matched to a segment on the event loop, on comparisons only, and the
+prompt is rendered from values taken at that moment.
 """
 
 from __future__ import annotations
@@ -13,9 +17,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.attempts import Attempts
 from gateway.segments import LiveSegment, SegmentTracker, SessionState, Transcript
 from store import Store
-from store.types import CompletionRecord, TurnStatus
+from store.types import CompletionRecord, LastTurn, TurnStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """The segment a request continues, and how its prompt is made."""
+
+    segment: LiveSegment
+    render: Callable[[], list[int] | None]
+    """Runs in a worker thread, on values taken when matching (never on the live segment, which
+    a commit may change meanwhile); None when the template cannot continue the segment (a fresh
+    prompt then)."""
+    replaces: LastTurn | None = None
+    """The segment's last turn, which this request repeats and takes the place of."""
 
 
 @dataclass(eq=False, slots=True)
@@ -26,6 +44,7 @@ class Target:
     opens: bool
     prefix_len: int
     prefix_break: bool
+    replaces: str | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -63,42 +82,47 @@ class Recorder:
         self.tracker = tracker
         self.on_commit = on_commit
         """Told of every committed batch (the metrics count tokens and prefix breaks)."""
+        self.attempts = Attempts()
+        """Requests by idempotency key, so that a retried request yields one turn."""
 
     async def plan(
         self,
         session_id: str,
         n: int,
-        choose: Callable[[list[LiveSegment]], tuple[LiveSegment | None, list[int] | None]],
+        choose: Callable[[list[LiveSegment]], Match | None],
         fresh_prompt: Callable[[], list[int]],
     ) -> Plan:
-        """Reserve segments for `n` choices. `choose` picks the segment the request extends (most
-        recent first) and returns the continued prompt for it; `fresh_prompt` renders a prompt
-        from scratch when none is extended (or the template is not append-only there)."""
+        """Reserve segments for `n` choices. `choose` picks the segment the request continues
+        (most recent first), on the event loop; the prompt is then made in a worker thread, by
+        the match's `render` or, when nothing matched (or the template is not append-only there),
+        by `fresh_prompt`."""
         state = await self.tracker.state(session_id)
         async with state.lock:
-            matched, continued = choose([s for s in state.segments if s.transcript is not None])
-            targets: list[Target] = []
-            if matched is not None and continued is not None:
-                prompt = continued
-                if matched.busy:  # a parallel call on the same history: fork, context only
-                    targets.append(Target(state.open_segment(), True, 0, True))
-                else:
-                    matched.busy = True
-                    targets.append(Target(matched, False, len(matched.tokens), False))
-            else:
-                prompt = fresh_prompt()
+            match = choose([s for s in state.segments if s.transcript is not None])
+            prompt: list[int] | None = None
+            target: Target | None = None
+            if match is not None:
+                target = _reserve(state, match)
+                try:
+                    prompt = await asyncio.to_thread(match.render)
+                except BaseException:
+                    _undo(state, target)
+                    raise
+                if prompt is None:
+                    _undo(state, target)
+            if prompt is None:
+                prompt = await asyncio.to_thread(fresh_prompt)
                 had = any(s.transcript is not None for s in state.segments)
-                targets.append(Target(state.open_segment(), True, 0, had))
+                target = Target(state.open_segment(), True, 0, had)
+            assert target is not None
+            targets = [target]
             for _ in range(n - 1):  # sibling choices branch into segments of their own
                 targets.append(Target(state.open_segment(), True, 0, False))
             return Plan(session_id, state, prompt, targets)
 
     def release(self, plan: Plan) -> None:
         for t in plan.targets:
-            if t.opens:
-                plan.state.discard(t.segment)
-            else:
-                t.segment.busy = False
+            _undo(plan.state, t)
 
     async def commit(
         self,
@@ -135,6 +159,7 @@ class Recorder:
                 versions=o.versions,
                 finish_reason=o.finish_reason,
                 status=o.status,
+                replaces=t.replaces,
                 sampling=sampling,
                 request=request,
                 response=o.response,
@@ -151,6 +176,26 @@ class Recorder:
         for t, o in zip(plan.targets, outcomes, strict=True):
             t.segment.tokens = plan.prompt_ids + o.output_ids
             t.segment.transcript = o.transcript
+            t.segment.last = LastTurn(
+                o.completion_id, o.status, t.prefix_len, len(plan.prompt_ids), request
+            )
             t.segment.busy = False
         if self.on_commit is not None:
             self.on_commit(records)
+
+
+def _reserve(state: SessionState, match: Match) -> Target:
+    seg = match.segment
+    if seg.busy:  # a parallel call on the same history: fork, context only
+        return Target(state.open_segment(), True, 0, True)
+    seg.busy = True
+    if match.replaces is not None:
+        return Target(seg, False, match.replaces.prefix_len, False, match.replaces.completion_id)
+    return Target(seg, False, len(seg.tokens), False)
+
+
+def _undo(state: SessionState, target: Target) -> None:
+    if target.opens:
+        state.discard(target.segment)
+    else:
+        target.segment.busy = False

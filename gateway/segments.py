@@ -7,6 +7,13 @@ anything else opens a new segment and counts as a prefix break. While one reques
 segment, a second request matching it (parallel sub-calls) forks: it opens a new segment whose
 prompt holds the shared prefix as context only, so no sampled token is ever trained twice.
 
+A segment's last turn can be taken back when the client never received its reply: a request that
+repeats the request of an aborted last turn (the client went away or timed out), or a retry (the
+SDK's `x-stainless-retry-count` >= 1) that repeats the request of a completed last turn (committed
+just before the gateway crashed, say), continues the segment from before that turn, which is
+marked replaced. So a client's retry never forks its session into a prefix break, and a reply it
+never saw is never trained.
+
 The live state is kept per session in memory (bounded LRU) and rebuilt from the store on first use,
 so a restarted gateway continues its sessions token for token.
 """
@@ -20,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from store import Store
+from store.types import LastTurn, TurnStatus
 
 Transcript = dict[str, Any]
 
@@ -32,6 +40,18 @@ class LiveSegment:
     """None while its first turn is in flight."""
     tokens: list[int]
     busy: bool = False
+    last: LastTurn | None = None
+    """Its newest turn (None while its first turn is in flight)."""
+
+    def replaceable(self, *, retry: bool) -> LastTurn | None:
+        """The last turn, if a request repeating its request may take its place: an aborted
+        turn, or with `retry` (the client says it is retrying) a completed one too."""
+        last = self.last
+        if self.transcript is None or last is None:
+            return None
+        if last.status is TurnStatus.ABORTED or (retry and last.status is TurnStatus.OK):
+            return last
+        return None
 
 
 @dataclass(slots=True)
@@ -70,6 +90,27 @@ def extends(
     )
 
 
+def repeats(
+    transcript: Transcript | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> bool:
+    """The request's messages and tools are those the transcript's last reply answered."""
+    if transcript is None or transcript.get("kind") != "chat":
+        return False
+    prior: list[dict[str, Any]] = transcript["messages"]
+    return bool(transcript["tools"] == tools and prior[:-1] == messages)
+
+
+def repeats_tokens(seg: LiveSegment, last: LastTurn, prompt_ids: list[int]) -> bool:
+    """A completions request whose token prompt is exactly the prompt of the segment's last
+    turn."""
+    return (
+        seg.transcript is not None
+        and seg.transcript.get("kind") == "completion"
+        and len(prompt_ids) == last.prompt_len
+        and prompt_ids == seg.tokens[: last.prompt_len]
+    )
+
+
 def extends_tokens(seg: LiveSegment, prompt_ids: list[int]) -> bool:
     """A completions request whose token prompt starts with the segment's tokens."""
     n = len(seg.tokens)
@@ -98,7 +139,8 @@ class SegmentTracker:
                 if state is None:
                     rows = await self.store.load_segments(session_id)
                     segments = [
-                        LiveSegment(r.id, r.index, r.transcript, list(r.tokens)) for r in rows
+                        LiveSegment(r.id, r.index, r.transcript, list(r.tokens), last=r.last_turn)
+                        for r in rows
                     ]
                     state = SessionState(segments)
                     self._states[session_id] = state

@@ -4,6 +4,9 @@ A session is trainable when it has ended, holds at least one reward, and is pend
 under an expired lease. Claims are atomic: PostgreSQL locks the chosen rows with
 `FOR UPDATE SKIP LOCKED`, so concurrent trainers take disjoint sets without waiting; SQLite runs
 the claim in one `BEGIN IMMEDIATE` transaction. Consumption is all-or-nothing.
+
+Trajectories come without their aborted turns (`store.trajectories`): a reply the agent never saw
+whole is never trained.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def _trainable(run_id: str, now: datetime) -> ColumnElement[bool]:
 
 async def _trajectories(db: Database, ids: Sequence[str], gamma: float) -> list[Trajectory]:
     async with db.read() as s:
-        loaded = await load_sessions(s, ids)
+        loaded = await load_sessions(s, ids, include_aborted=False)
     return [loaded[i].trajectory(gamma) for i in ids if i in loaded]
 
 

@@ -1,4 +1,7 @@
-"""Rewards: per turn (by completion id) or final, idempotent under a key."""
+"""Rewards: per turn (by completion id) or final, idempotent under a key.
+
+A reward is a finite number of magnitude at most `MAX_ABS_REWARD`, so that every sum and
+discounted return of a session's rewards is finite too (a JSON number, never Infinity)."""
 
 from __future__ import annotations
 
@@ -12,10 +15,16 @@ from store.errors import ConflictError, NotFoundError
 from store.sessions import session_not_found
 from store.tables import CompletionRow, RewardRow, SessionRow
 
+MAX_ABS_REWARD = 1e6
+"""The largest magnitude of one reward."""
 
-def _check_finite(value: float) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"a reward must be a finite number, got {value}")
+
+def _check_reward(value: float) -> None:
+    if not (math.isfinite(value) and abs(value) <= MAX_ABS_REWARD):
+        raise ValueError(
+            f"a reward must be a finite number in [-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}], "
+            f"got {value}"
+        )
 
 
 async def _lock_target(s: AsyncSession, session_id: str, completion_id: str | None) -> None:
@@ -45,7 +54,7 @@ async def add_reward(
     key: str | None = None,
 ) -> bool:
     """See `Store.add_reward`."""
-    _check_finite(value)
+    _check_reward(value)
     async with db.write() as s:
         await _lock_target(s, session_id, completion_id)
         if key is not None:
@@ -78,7 +87,7 @@ async def set_reward(
     """Set a turn's (or, with no `completion_id`, the episode's final) reward by hand: every
     reward held for that target is replaced by this one value, under the key `manual:<target>`,
     in one transaction. Other targets' rewards are untouched."""
-    _check_finite(value)
+    _check_reward(value)
     async with db.write() as s:
         await _lock_target(s, session_id, completion_id)
         target = (

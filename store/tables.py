@@ -146,6 +146,8 @@ class CompletionRow(Base):
     """The range of `versions` (None without output), so sessions filter by version in SQL."""
     finish_reason: Mapped[str] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16))
+    """ok, aborted or replaced (`store.types.TurnStatus`); a replaced turn is outside its
+    segment (not counted in `segments.length`)."""
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
     request: Mapped[dict[str, Any]] = mapped_column(JSON)
     response: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -2,6 +2,13 @@
 
 Everything is loaded for many sessions at once (one query per table), so the trainer's batch of
 trajectories costs four queries, not four per session.
+
+Which turns a segment shows: a replaced turn (a retry took its place) is never part of it. An
+aborted turn (its reply never reached the client whole) is a turn like any other in the session's
+detail (`include_aborted`, what the page shows), but the trainer and the export leave it out: its
+tokens stay as context (loss mask 0) when a later turn of the segment follows it, a segment's
+trailing aborted turns are cut off, a segment left without turns is dropped, and it earns no
+return (a reward given to it is ignored; the final reward goes to the last turn that remains).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from store.arrays import decode_f32, decode_i32
 from store.sessions import info_from_row
 from store.tables import CompletionRow, RewardRow, SegmentRow, SessionRow
-from store.types import Reward, Segment, SessionDetail, SessionInfo, Trajectory
+from store.types import Reward, Segment, SessionDetail, SessionInfo, Trajectory, TurnStatus
 
 
 def check_gamma(gamma: float) -> None:
@@ -29,13 +36,15 @@ def discounted_returns(
     turn_ids: Sequence[str], rewards: Sequence[Reward], gamma: float
 ) -> dict[str, float]:
     """G_i = r_i + gamma * G_{i+1} over the turns in order; r_i sums the turn's own rewards and
-    the final (completion-less) rewards count on the last turn. Empty when there are no turns."""
+    the final (completion-less) rewards count on the last turn; rewards of turns not listed (left
+    out, see the module docstring) count nowhere. Empty when there are no turns."""
     if not turn_ids:
         return {}
     r = dict.fromkeys(turn_ids, 0.0)
     for reward in rewards:
         turn = turn_ids[-1] if reward.completion_id is None else reward.completion_id
-        r[turn] += reward.value
+        if turn in r:
+            r[turn] += reward.value
     returns: dict[str, float] = {}
     g = 0.0
     for turn in reversed(turn_ids):
@@ -50,8 +59,10 @@ class Loaded:
     segments: list[Segment]
     rewards: list[Reward]
     turn_ids: list[str]
-    """The session's completion ids in turn order."""
+    """The session's completion ids in turn order (those its segments show)."""
     finish_reasons: dict[str, str]
+    aborted_turns: int = 0
+    """Aborted turns left out (0 when they are included)."""
 
     def detail(self, gamma: float) -> SessionDetail:
         return SessionDetail(
@@ -75,6 +86,7 @@ class Loaded:
             returns=discounted_returns(self.turn_ids, self.rewards, gamma),
             reward=math.fsum(r.value for r in self.rewards),
             min_version=min(versions, default=-1),
+            aborted_turns=self.aborted_turns,
         )
 
 
@@ -87,8 +99,11 @@ class _SegmentBuilder:
         self.versions: list[int] = []
         self.completion_ids: list[str] = []
         self.turn_spans: list[tuple[int, int]] = []
+        self.shown_end = 0
+        """Where the last shown turn ends (a left-out turn after it is cut off)."""
 
-    def add(self, c: CompletionRow) -> None:
+    def add(self, c: CompletionRow, *, shown: bool) -> None:
+        """Append turn `c`: as a turn, or (not `shown`) as context tokens only."""
         delta, output = decode_i32(c.prompt_delta), decode_i32(c.output_ids)
         self.tokens += delta
         self.loss_mask += [0] * len(delta)
@@ -96,30 +111,41 @@ class _SegmentBuilder:
         self.versions += [-1] * len(delta)
         start = len(self.tokens)
         self.tokens += output
+        if not shown:
+            self.loss_mask += [0] * len(output)
+            self.logprobs += [0.0] * len(output)
+            self.versions += [-1] * len(output)
+            return
         self.loss_mask += [1] * len(output)
         self.logprobs += decode_f32(c.logprobs)
         self.versions += decode_i32(c.versions)
         self.completion_ids.append(c.id)
         self.turn_spans.append((start, len(self.tokens)))
+        self.shown_end = len(self.tokens)
 
     def build(self) -> Segment:
         n = len(self.tokens)
         assert n == self.row.length, f"segment {self.row.id} holds {n} of {self.row.length}"
         assert len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n
+        end = self.shown_end
         return Segment(
             id=self.row.id,
             index=self.row.position,
-            tokens=self.tokens,
-            loss_mask=self.loss_mask,
-            logprobs=self.logprobs,
-            versions=self.versions,
+            tokens=self.tokens[:end],
+            loss_mask=self.loss_mask[:end],
+            logprobs=self.logprobs[:end],
+            versions=self.versions[:end],
             completion_ids=self.completion_ids,
             turn_spans=self.turn_spans,
         )
 
 
-async def load_sessions(s: AsyncSession, session_ids: Sequence[str]) -> dict[str, Loaded]:
-    """Every found session of `session_ids`, keyed by id (missing ids are simply absent)."""
+async def load_sessions(
+    s: AsyncSession, session_ids: Sequence[str], *, include_aborted: bool = True
+) -> dict[str, Loaded]:
+    """Every found session of `session_ids`, keyed by id (missing ids are simply absent).
+    Without `include_aborted` (the trainer's and the export's view) aborted turns are left out
+    (module docstring); replaced turns always are."""
     if not session_ids:
         return {}
     ids = list(session_ids)
@@ -128,7 +154,9 @@ async def load_sessions(s: AsyncSession, session_ids: Sequence[str]) -> dict[str
         select(SegmentRow).where(SegmentRow.session_id.in_(ids)).order_by(SegmentRow.position)
     )
     completions = await s.scalars(
-        select(CompletionRow).where(CompletionRow.session_id.in_(ids)).order_by(CompletionRow.turn)
+        select(CompletionRow)
+        .where(CompletionRow.session_id.in_(ids), CompletionRow.status != TurnStatus.REPLACED.value)
+        .order_by(CompletionRow.turn)
     )
     reward_rows = await s.scalars(
         select(RewardRow).where(RewardRow.session_id.in_(ids)).order_by(RewardRow.id)
@@ -141,8 +169,13 @@ async def load_sessions(s: AsyncSession, session_ids: Sequence[str]) -> dict[str
         by_session[seg.session_id].append(builders[seg.id])
     turn_ids: dict[str, list[str]] = defaultdict(list)
     finish: dict[str, dict[str, str]] = defaultdict(dict)
+    left_out: dict[str, int] = defaultdict(int)
     for c in completions:
-        builders[c.segment_id].add(c)
+        shown = include_aborted or c.status != TurnStatus.ABORTED.value
+        builders[c.segment_id].add(c, shown=shown)
+        if not shown:
+            left_out[c.session_id] += 1
+            continue
         turn_ids[c.session_id].append(c.id)
         finish[c.session_id][c.id] = c.finish_reason
     rewards: dict[str, list[Reward]] = defaultdict(list)
@@ -155,10 +188,11 @@ async def load_sessions(s: AsyncSession, session_ids: Sequence[str]) -> dict[str
     return {
         row.id: Loaded(
             info=info_from_row(row),
-            segments=[b.build() for b in by_session[row.id]],
+            segments=[b.build() for b in by_session[row.id] if b.completion_ids],
             rewards=rewards[row.id],
             turn_ids=turn_ids[row.id],
             finish_reasons=finish[row.id],
+            aborted_turns=left_out[row.id],
         )
         for row in sessions
     }

@@ -3,7 +3,9 @@
 A turn is stored as its prompt delta plus its sampled arrays; the segment is the concatenation
 of its turns. `record_completions` writes a whole batch (the n choices of one request) in one
 transaction and checks each turn against the segment's current length, so a segment is never
-left half-extended or extended from a stale prefix.
+left half-extended or extended from a stale prefix. A turn that `replaces` its segment's last turn
+(a retry of a reply the client never received) rewinds the segment to before that turn, which is
+kept, marked replaced, outside the segment.
 
 This is the gateway's hot path (every response waits for it), so it is written as a few
 set-based Core statements, built once at import (lists bind as expanding parameters) and run on a
@@ -25,7 +27,7 @@ from store.db import Database, utcnow
 from store.errors import ConflictError, NotFoundError, SessionEndedError
 from store.sessions import session_not_found
 from store.tables import CompletionRow, SegmentRow, SessionRow
-from store.types import JSON, CompletionRecord, SegmentState
+from store.types import JSON, CompletionRecord, LastTurn, SegmentState, TurnStatus
 
 
 def _check(record: CompletionRecord) -> None:
@@ -42,6 +44,8 @@ def _check(record: CompletionRecord) -> None:
         )
     if record.segment_index < 0:
         raise ValueError(f"completion {record.id!r}: segment_index must be >= 0")
+    if record.replaces is not None and record.opens_segment:
+        raise ValueError(f"completion {record.id!r}: a turn that opens a segment replaces none")
 
 
 @dataclass(slots=True)
@@ -62,6 +66,9 @@ def check_records(records: list[CompletionRecord]) -> None:
     ids = [r.id for r in records]
     if len(set(ids)) != len(ids):
         raise ValueError(f"completion ids in one batch must be distinct, got {ids}")
+    replaced = [r.replaces for r in records if r.replaces is not None]
+    if len(set(replaced)) != len(replaced):
+        raise ValueError(f"a turn can be replaced once, got {replaced}")
 
 
 async def record_completions(db: Database, records: list[CompletionRecord]) -> None:
@@ -76,9 +83,9 @@ def write_records(s: Connection, records: list[CompletionRecord]) -> None:
     """The writes of `record_completions` inside the caller's transaction (checked records).
 
     The records may span many requests and sessions (the group committer passes a whole group):
-    the statements are set-based, at most seven per call however many records it holds. It is
-    synchronous so that on SQLite a whole transaction is one call to the writer thread
-    (`Database.write_sync`).
+    the statements are set-based, at most seven per call however many records it holds (two more
+    when some replace a turn). It is synchronous so that on SQLite a whole transaction is one
+    call to the writer thread (`Database.write_sync`).
     """
     ids = [r.id for r in records]
     now = utcnow()
@@ -88,11 +95,14 @@ def write_records(s: Connection, records: list[CompletionRecord]) -> None:
         raise ConflictError(f"completion ids already recorded: {taken}; ids must be unique")
 
     stored = _stored_segments(s, records)
+    replaced = _replaced_turns(s, records)
     segments: dict[str, _Segment] = {}
     rows: list[dict[str, Any]] = []
     for record in records:
         segment = _segment_for(record, segments.get(record.segment_id), stored)
         segments[segment.id] = segment
+        if record.replaces is not None:
+            _rewind(record, segment, replaced)
         if record.prefix_len != segment.length:
             raise ConflictError(
                 f"completion {record.id!r}: prefix_len is {record.prefix_len} but segment "
@@ -137,6 +147,8 @@ def write_records(s: Connection, records: list[CompletionRecord]) -> None:
         )
         if moved.supports_sane_multi_rowcount():
             assert moved.rowcount == len(extended), "a segment changed under its session's lock"
+    if replaced:
+        s.execute(_MARK_REPLACED, {"ids": sorted(replaced)})
     s.execute(insert(_COMPLETIONS), rows)
 
 
@@ -181,6 +193,61 @@ _EXTEND_SEGMENT = (
         transcript=bindparam("_transcript", type_=_SEGMENTS.c.transcript.type),
     )
 )
+
+
+_REPLACED_TURNS = select(
+    _COMPLETIONS.c.id,
+    _COMPLETIONS.c.segment_id,
+    _COMPLETIONS.c.prefix_len,
+    _COMPLETIONS.c.status,
+    _COMPLETIONS.c.prompt_delta,
+    _COMPLETIONS.c.output_ids,
+).where(_COMPLETIONS.c.id.in_(bindparam("ids", expanding=True)))
+_MARK_REPLACED = (
+    update(_COMPLETIONS)
+    .where(_COMPLETIONS.c.id.in_(bindparam("ids", expanding=True)))
+    .values(status=TurnStatus.REPLACED.value)
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Replaced:
+    segment_id: str
+    prefix_len: int
+    end: int
+    """The segment's length right after this turn."""
+    status: str
+
+
+def _replaced_turns(s: Connection, records: list[CompletionRecord]) -> dict[str, _Replaced]:
+    ids = sorted(r.replaces for r in records if r.replaces is not None)
+    if not ids:
+        return {}
+    return {
+        row.id: _Replaced(
+            row.segment_id,
+            row.prefix_len,
+            row.prefix_len + (len(row.prompt_delta) + len(row.output_ids)) // 4,
+            row.status,
+        )
+        for row in s.execute(_REPLACED_TURNS, {"ids": ids})
+    }
+
+
+def _rewind(record: CompletionRecord, segment: _Segment, replaced: dict[str, _Replaced]) -> None:
+    """Take the replaced turn out of `segment`: it must be the segment's last turn."""
+    old = replaced.get(record.replaces or "")
+    if (
+        old is None
+        or old.segment_id != segment.id
+        or old.status == TurnStatus.REPLACED.value
+        or old.end != segment.length
+    ):
+        raise ConflictError(
+            f"completion {record.id!r} replaces {record.replaces!r}, which is not the last turn of "
+            f"segment {segment.id!r}: reload the session's segments"
+        )
+    segment.length = old.prefix_len
 
 
 def _claim_turns(s: Connection, records: list[CompletionRecord]) -> dict[str, int]:
@@ -331,19 +398,51 @@ async def load_segments(db: Database, session_id: str) -> list[SegmentState]:
             )
         )
         parts = await s.execute(
-            select(CompletionRow.segment_id, CompletionRow.prompt_delta, CompletionRow.output_ids)
-            .where(CompletionRow.session_id == session_id)
+            select(
+                CompletionRow.id,
+                CompletionRow.segment_id,
+                CompletionRow.status,
+                CompletionRow.prefix_len,
+                CompletionRow.prompt_delta,
+                CompletionRow.output_ids,
+            )
+            .where(
+                CompletionRow.session_id == session_id,
+                CompletionRow.status != TurnStatus.REPLACED.value,
+            )
             .order_by(CompletionRow.turn)
         )
         tokens: dict[str, list[int]] = {seg.id: [] for seg in segments}
-        for segment_id, delta, output in parts:
+        last: dict[str, tuple[str, TurnStatus, int, int]] = {}
+        for cid, segment_id, status, prefix_len, delta, output in parts:
             tokens[segment_id] += decode_i32(delta)
+            prompt_len = len(tokens[segment_id])
             tokens[segment_id] += decode_i32(output)
+            last[segment_id] = (cid, TurnStatus(status), prefix_len, prompt_len)
+        requests: dict[str, JSON] = {}
+        if last:
+            found = await s.execute(
+                select(CompletionRow.id, CompletionRow.request).where(
+                    CompletionRow.id.in_([t[0] for t in last.values()])
+                )
+            )
+            requests = {cid: request for cid, request in found}
     for seg in segments:
         assert len(tokens[seg.id]) == seg.length, f"segment {seg.id} lost tokens"
+
+    def last_turn(segment_id: str) -> LastTurn | None:
+        if segment_id not in last:
+            return None
+        cid, status, prefix_len, prompt_len = last[segment_id]
+        return LastTurn(cid, status, prefix_len, prompt_len, requests[cid])
+
     return [
         SegmentState(
-            id=seg.id, index=seg.position, transcript=seg.transcript, tokens=tokens[seg.id]
+            id=seg.id,
+            index=seg.position,
+            transcript=seg.transcript,
+            tokens=tokens[seg.id],
+            last_turn=last_turn(seg.id),
         )
         for seg in segments
     ]

@@ -22,7 +22,12 @@ class SessionStatus(enum.StrEnum):
 class TurnStatus(enum.StrEnum):
     OK = "ok"
     ABORTED = "aborted"
-    """The client went away mid-stream; the turn holds what was generated until then."""
+    """The reply never reached the client whole (it went away, timed out, or the engine failed
+    mid-stream); the turn holds what was generated until then. It is not trained nor exported by
+    default: a later turn of its segment keeps its tokens as context only."""
+    REPLACED = "replaced"
+    """A retry of the same request took its place (the client never received this reply): the
+    turn is kept in the store but is no longer part of its segment, in any view."""
 
 
 class TrainState(enum.StrEnum):
@@ -90,11 +95,31 @@ class CompletionRecord:
     versions: list[int]
     finish_reason: str
     status: TurnStatus = TurnStatus.OK
+    replaces: str | None = None
+    """The id of the segment's last turn that this one takes the place of (a retry of a request
+    whose reply the client never received): that turn is marked replaced and the segment
+    continues from before it, so `prefix_len` is that turn's own `prefix_len`."""
     sampling: JSON = field(default_factory=dict)
     request: JSON = field(default_factory=dict)
     response: JSON = field(default_factory=dict)
     latency_ms: float = 0.0
     ttft_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LastTurn:
+    """The newest turn of a segment, as the gateway needs it to let a retry take its place.
+    Invariant: `prefix_len <= prompt_len <= ` the segment's length."""
+
+    completion_id: str
+    status: TurnStatus
+    """OK or ABORTED (a replaced turn is never a segment's last)."""
+    prefix_len: int
+    """The segment's length before this turn."""
+    prompt_len: int
+    """The length of this turn's whole prompt: the segment's tokens before its sampled ones."""
+    request: JSON
+    """The request body it answered."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +130,7 @@ class SegmentState:
     index: int
     transcript: JSON
     tokens: list[int]
+    last_turn: LastTurn | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +180,8 @@ class Trajectory:
     """The episode's total reward (sum of all its rewards)."""
     min_version: int
     """The oldest policy version among its sampled tokens (-1 if it has none)."""
+    aborted_turns: int = 0
+    """Aborted turns left out of its segments (context at most, never trained)."""
 
 
 class RunStatus(enum.StrEnum):
@@ -210,6 +238,9 @@ class SessionFilter:
     max_version: int | None = None
     min_prefix_breaks: int | None = None
     max_prefix_breaks: int | None = None
+    include_aborted: bool = False
+    """Export aborted turns as turns (trained tokens, in `completion_ids`) rather than leaving
+    them out (the default: their tokens stay only as context of a later turn)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -264,6 +264,8 @@ class Trainer:
                 "version": step,
                 "trajectories": len(built.used),
                 "dropped": len(built.dropped),
+                # turns the agents never received whole (aborted): recorded, not trained
+                "aborted_turns": built.aborted_turns,
                 "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
                 "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
                 "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,

@@ -48,6 +48,9 @@ class Built:
     token_rewards: list[list[float]] | None = None
     """With a critic: per sequence, each turn's reward on the turn's last sampled token (GAE's
     input, see `critic_token_rewards`); the sequences' advantages are then 0 until `with_gae`."""
+    aborted_turns: int = 0
+    """Aborted turns of the given trajectories, left out by the store (replies their agent never
+    saw whole are never trained): the step's count of them."""
 
 
 def _group_key(t: Trajectory) -> str:
@@ -163,7 +166,7 @@ def build_sequences(
         parts = torch.split(normed, [len(s.tokens) for s, _ in raw])
         raw = [(s, p) for (s, _), p in zip(raw, parts, strict=True)]
     sequences = [_with_advantages(s, a) for s, a in raw]
-    return Built(sequences, used, dropped, used_rewards)
+    return Built(sequences, used, dropped, used_rewards, aborted_turns=_aborted_turns(trajectories))
 
 
 def critic_token_rewards(
@@ -220,7 +223,18 @@ def _critic_sequences(
             used_rewards.append(rewards[i])
         else:
             dropped.append(t)
-    return Built(sequences, used, dropped, used_rewards, token_rewards)
+    return Built(
+        sequences,
+        used,
+        dropped,
+        used_rewards,
+        token_rewards,
+        aborted_turns=_aborted_turns(trajectories),
+    )
+
+
+def _aborted_turns(trajectories: list[Trajectory]) -> int:
+    return sum(t.aborted_turns for t in trajectories)
 
 
 def with_gae(

@@ -22,8 +22,8 @@ DOC_BEARER = HTTPBearer(
     description="The admin token, a run's api_key, or a session's api_key "
     "(`x-api-key: KEY` works too)",
 )
-"""Declares the bearer scheme in the OpenAPI document (so /docs can send a key); the keys are
-read and checked by `gateway.auth`, which also accepts `x-api-key`."""
+"""Declares the bearer scheme in the OpenAPI document (so its clients know how to send a key);
+the keys are read and checked by `gateway.auth`, which also accepts `x-api-key`."""
 BearerDoc = Annotated[HTTPAuthorizationCredentials | None, Depends(DOC_BEARER)]
 
 

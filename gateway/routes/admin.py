@@ -8,21 +8,23 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, Field
 
 from engines.base import WeightUpdate
+from engines.limits import MAX_POLICY_VERSION
 from gateway.deps import GatewayDep
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, error_docs
+from gateway.limits import CheckedBody
 from gateway.routes.access import AdminDep
 
-router = APIRouter(prefix="/admin", tags=["admin"])
+router = APIRouter(prefix="/admin", tags=["admin"], responses=error_docs(401, 403, 500))
 
 
-class WeightsIn(BaseModel):
+class WeightsIn(CheckedBody):
     path: str
     """A Hugging Face model directory with the new weights (safetensors)."""
-    version: int | None = Field(None, ge=0)
-    """The policy version these weights are; default current + 1."""
+    version: int | None = None
+    """The policy version these weights are, in [current + 1, `MAX_POLICY_VERSION`]; default
+    current + 1."""
 
 
 @router.get("/version")
@@ -30,8 +32,16 @@ async def version(gw: GatewayDep, _: AdminDep) -> dict[str, Any]:
     return {"version": gw.engine.version()}
 
 
-@router.post("/weights")
+@router.post("/weights", responses=error_docs(400, 409, 413, 422, 503))
 async def load_weights(gw: GatewayDep, _: AdminDep, body: WeightsIn) -> dict[str, Any]:
+    newest = gw.engine.version() + 1
+    if body.version is not None and not newest <= body.version <= MAX_POLICY_VERSION:
+        # the store records versions as int32: a larger one would fail every later turn
+        raise BadRequest(
+            f"version must be in [{newest}, {MAX_POLICY_VERSION}] (newer than the engine's "
+            f"version {newest - 1}, and at most {MAX_POLICY_VERSION}), got {body.version}",
+            param="version",
+        )
     path = Path(body.path)
     if not await asyncio.to_thread(path.is_dir):
         raise BadRequest(f"{path} is not a directory on the gateway's machine", param="path")

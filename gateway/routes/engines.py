@@ -8,9 +8,10 @@ from typing import Any
 from fastapi import APIRouter
 
 from gateway.deps import GatewayDep
+from gateway.errors import error_docs
 from gateway.routes.access import AdminDep
 
-router = APIRouter(tags=["engines"])
+router = APIRouter(tags=["engines"], responses=error_docs(401, 403, 500))
 
 
 @router.get("/engines")

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
 from gateway.deps import GatewayDep
+from gateway.errors import error_docs
 from gateway.export import SCHEMA, jsonl
 from gateway.routes.access import RunAgentDep
 from gateway.routes.run_sessions import SessionFilterDep
@@ -16,7 +17,10 @@ router = APIRouter(tags=["export"])
 @router.get(
     "/runs/{run_id}/export",
     response_class=StreamingResponse,
-    responses={200: {"content": {"application/x-ndjson": {}}}},
+    responses={
+        200: {"content": {"application/x-ndjson": {}}, "description": "JSON Lines, one a session"},
+        **error_docs(400, 401, 403, 404, 422, 500),
+    },
 )
 async def export_run(
     gw: GatewayDep,

@@ -6,27 +6,28 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import BaseModel, Field
+from pydantic import Field, Strict
 
 from gateway.deps import GatewayDep
-from gateway.errors import BadRequest, Conflict, TooManyRequests
+from gateway.errors import BadRequest, Conflict, TooManyRequests, error_docs
+from gateway.limits import MAX_INT32, CheckedBody
 from gateway.routes.access import RunAgentDep
 from gateway.views import summary_json
 from store.browse import MAX_PAGE
 from store.types import RunStatus, SessionFilter, SessionStatus, TrainState
 
-router = APIRouter(tags=["sessions"])
+router = APIRouter(tags=["sessions"], responses=error_docs(401, 403, 404, 422, 500))
 
 
-class SessionsCreate(BaseModel):
-    count: int = Field(1, ge=1, le=1024)
+class SessionsCreate(CheckedBody):
+    count: Annotated[int, Strict()] = Field(1, ge=1, le=1024)
     group_id: str | None = Field(None, max_length=200)
     """GRPO group: sessions that answer the same prompt share one group_id."""
     metadata: dict[str, Any] = Field(default_factory=dict)
     """Free data kept with each session (the task, its answer, ...)."""
 
 
-@router.post("/runs/{run_id}/sessions", status_code=201)
+@router.post("/runs/{run_id}/sessions", status_code=201, responses=error_docs(400, 409, 413, 429))
 async def create_sessions(
     gw: GatewayDep, _: RunAgentDep, run_id: str, body: SessionsCreate
 ) -> dict[str, Any]:
@@ -62,14 +63,14 @@ async def create_sessions(
     }
 
 
-@router.get("/runs/{run_id}/sessions")
+@router.get("/runs/{run_id}/sessions", responses=error_docs(400))
 async def list_sessions(
     gw: GatewayDep,
     _: RunAgentDep,
     run_id: str,
     where: SessionFilterDep,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_INT32)] = 0,
 ) -> dict[str, Any]:
     """A page of the run's sessions, newest first, filtered as `session_filter` says.
     `next_offset` is null on the last page."""
@@ -89,18 +90,19 @@ def session_filter(
     train_state: TrainState | None = None,
     group_id: str | None = None,
     rewarded: bool | None = None,
-    min_reward: float | None = None,
-    max_reward: float | None = None,
-    min_version: Annotated[int | None, Query(ge=-1)] = None,
-    max_version: Annotated[int | None, Query(ge=-1)] = None,
-    min_prefix_breaks: Annotated[int | None, Query(ge=0)] = None,
-    max_prefix_breaks: Annotated[int | None, Query(ge=0)] = None,
+    min_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+    max_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+    min_version: Annotated[int | None, Query(ge=-1, le=MAX_INT32)] = None,
+    max_version: Annotated[int | None, Query(ge=-1, le=MAX_INT32)] = None,
+    min_prefix_breaks: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
+    max_prefix_breaks: Annotated[int | None, Query(ge=0, le=MAX_INT32)] = None,
 ) -> SessionFilter:
     """The session filters of a query string (all optional, bounds inclusive): `status`
     (active, ended), `train_state` (pending, claimed, consumed), `group_id`, `rewarded`,
-    `min_reward`/`max_reward` (on the session's total reward), `min_version`/`max_version` (a
-    sampled token of a policy version in range), `min_prefix_breaks`/`max_prefix_breaks`.
-    400 for a bound pair that cannot match."""
+    `min_reward`/`max_reward` (on the session's total reward; finite), `min_version`/
+    `max_version` (a sampled token of a policy version in range), `min_prefix_breaks`/
+    `max_prefix_breaks`; integers up to 2^31-1 (the store's integer columns). 422 for a value
+    out of range, 400 for a bound pair that cannot match."""
     for low, lo, high, hi in (
         ("min_reward", min_reward, "max_reward", max_reward),
         ("min_version", min_version, "max_version", max_version),

@@ -11,24 +11,29 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from gateway.deps import GatewayDep
-from gateway.errors import BadRequest, Conflict
+from gateway.errors import BadRequest, Conflict, error_docs
+from gateway.limits import CheckedBody
 from gateway.routes.access import AdminDep, RunAdminDep, RunAgentDep
 from gateway.views import run_json, run_summary_json
 from store.types import RunStatus
 
-router = APIRouter(tags=["runs"])
+router = APIRouter(tags=["runs"], responses=error_docs(401, 403, 500))
+_RUN = error_docs(404, 422)
+"""What every route on one run (`{run_id}`) adds."""
+_STATUS = error_docs(404, 409, 422)
+"""What pause, resume and stop add: 409 for a run stopped for good."""
 
 
-class RunCreate(BaseModel):
+class RunCreate(CheckedBody):
     name: str = Field(min_length=1, max_length=200)
     config: dict[str, Any] = Field(default_factory=dict)
     """A training config (the keys of `rlgateway train --config`, minus `run` and the store)."""
 
 
-@router.post("/runs", status_code=201)
+@router.post("/runs", status_code=201, responses=error_docs(400, 413, 422))
 async def create_run(gw: GatewayDep, _: AdminDep, body: RunCreate) -> dict[str, Any]:
     """Create a run. The answer holds its `api_key` (shown once): the agents' key, which creates
     and uses sessions of this run only."""
@@ -52,7 +57,7 @@ async def list_runs(gw: GatewayDep, _: AdminDep) -> dict[str, Any]:
     return {"runs": [run_summary_json(r) for r in await gw.store.list_runs()]}
 
 
-@router.get("/runs/{run_id}")
+@router.get("/runs/{run_id}", responses=_RUN)
 async def get_run(gw: GatewayDep, _: RunAgentDep, run_id: str) -> dict[str, Any]:
     return run_json(await gw.store.get_run(run_id))
 
@@ -64,24 +69,24 @@ async def _set_status(gw: GatewayDep, run_id: str, status: RunStatus) -> dict[st
     return run_json(await gw.store.set_run_status(run_id, status))
 
 
-@router.post("/runs/{run_id}/pause")
+@router.post("/runs/{run_id}/pause", responses=_STATUS)
 async def pause_run(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, Any]:
     """The trainer starts no new step until resumed (a step under way finishes)."""
     return await _set_status(gw, run_id, RunStatus.PAUSED)
 
 
-@router.post("/runs/{run_id}/resume")
+@router.post("/runs/{run_id}/resume", responses=_STATUS)
 async def resume_run(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, Any]:
     return await _set_status(gw, run_id, RunStatus.ACTIVE)
 
 
-@router.post("/runs/{run_id}/stop")
+@router.post("/runs/{run_id}/stop", responses=_STATUS)
 async def stop_run(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, Any]:
     """End training: the trainer finishes after the step under way; no new sessions."""
     return await _set_status(gw, run_id, RunStatus.STOPPED)
 
 
-@router.delete("/runs/{run_id}")
+@router.delete("/runs/{run_id}", responses=_RUN)
 async def delete_run(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, Any]:
     """Delete the run with all its sessions, turns, rewards and training steps, in one
     transaction. Checkpoints on the trainer's disk are left alone."""
@@ -92,7 +97,7 @@ async def delete_run(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, A
     return {"id": run_id, "deleted": True, "sessions": len(ids)}
 
 
-@router.post("/runs/{run_id}/key")
+@router.post("/runs/{run_id}/key", responses=_RUN)
 async def new_run_key(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, Any]:
     """Replace the run's agent key: the old one stops working at once (on this gateway)."""
     key = await gw.store.new_run_key(run_id)

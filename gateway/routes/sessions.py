@@ -3,30 +3,32 @@ the admin token), and a reward set by hand (admin)."""
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import Field, Strict
 
 from gateway.auth import resolve
 from gateway.deps import Gateway, GatewayDep
+from gateway.errors import error_docs
+from gateway.limits import CheckedBody
 from gateway.routes.access import DOC_BEARER, AdminDep
 from gateway.views import detail_json, info_json
+from store.rewards import MAX_ABS_REWARD
 
-router = APIRouter(tags=["sessions"], dependencies=[Depends(DOC_BEARER)])
+router = APIRouter(
+    tags=["sessions"],
+    dependencies=[Depends(DOC_BEARER)],
+    responses=error_docs(401, 403, 404, 422, 500),
+)
+
+Reward = Annotated[
+    float, Strict(), Field(ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD, allow_inf_nan=False)
+]
+"""A number (not a boolean or string) in [-1e6, 1e6]: a session's total stays finite."""
 
 
-def _finite_reward(v: float) -> float:
-    if not math.isfinite(v):
-        raise ValueError("reward must be a finite number")
-    return v
-
-
-Reward = Annotated[float, AfterValidator(_finite_reward)]
-
-
-class RewardIn(BaseModel):
+class RewardIn(CheckedBody):
     reward: Reward
     completion_id: str | None = None
     """The turn this reward is for; omit it for the episode's final reward."""
@@ -34,7 +36,7 @@ class RewardIn(BaseModel):
     """Idempotency key: posting the same key and value again changes nothing."""
 
 
-class RewardSet(BaseModel):
+class RewardSet(CheckedBody):
     reward: Reward
     completion_id: str | None = None
     """The turn whose reward is set; omit it to set the episode's final reward."""
@@ -45,7 +47,7 @@ async def _gamma(gw: Gateway, run_id: str) -> float:
     return float(run.config.get("discount", gw.settings.discount))
 
 
-@router.post("/sessions/{session_id}/reward")
+@router.post("/sessions/{session_id}/reward", responses=error_docs(400, 409, 413))
 async def reward(
     gw: GatewayDep, request: Request, session_id: str, body: RewardIn
 ) -> dict[str, Any]:
@@ -58,7 +60,7 @@ async def reward(
     return {"session_id": session_id, "recorded": recorded}
 
 
-@router.put("/sessions/{session_id}/reward")
+@router.put("/sessions/{session_id}/reward", responses=error_docs(400, 413))
 async def set_reward(
     gw: GatewayDep, _: AdminDep, session_id: str, body: RewardSet
 ) -> dict[str, Any]:

@@ -8,10 +8,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 
 from gateway.deps import GatewayDep
+from gateway.errors import error_docs
+from gateway.limits import MAX_INT32
 from gateway.routes.access import RunAgentDep
 from gateway.views import step_json
 
-router = APIRouter(tags=["training"])
+router = APIRouter(tags=["training"], responses=error_docs(401, 403, 404, 422, 500))
 
 
 @router.get("/runs/{run_id}/metrics")
@@ -19,7 +21,7 @@ async def run_metrics(
     gw: GatewayDep,
     _: RunAgentDep,
     run_id: str,
-    after: Annotated[int | None, Query(ge=-1)] = None,
+    after: Annotated[int | None, Query(ge=-1, le=MAX_INT32)] = None,
 ) -> dict[str, Any]:
     """The training time series: `steps` (the step numbers) and `series`, one list per metric
     (reward_mean, loss, staleness_mean, tokens_per_s, step_seconds, ...), aligned with `steps`

@@ -1,6 +1,8 @@
 // The page: runs list, run page (live charts, session browser, pause/resume/stop), session page
 // (trajectory viewer, reward form). Hash routes: #/, #/runs/ID, #/sessions/ID.
-// Every API call carries the admin token from sessionStorage; data is written with textContent.
+// Every API call carries the admin token from sessionStorage; data is written with textContent,
+// every id put into a path or a route goes through encodeURIComponent (`enc`), and no element gets
+// an inline style attribute (the page's Content-Security-Policy allows only its own styles).
 // The token comes from the login form, or from a fragment `#token=...` (a link `rlgateway serve`
 // prints): fragments never reach the server, and the page drops it from the address at once.
 "use strict";
@@ -9,6 +11,8 @@ const TOKEN_KEY = "rlgateway.adminToken";
 let pollTimer = null;
 
 function token() { return sessionStorage.getItem(TOKEN_KEY); }
+// One path segment: an id from the API or the address bar may hold "/", "?", "#" or "..".
+const enc = encodeURIComponent;
 
 class ApiError extends Error {
   constructor(status, message) { super(message); this.status = status; }
@@ -39,6 +43,8 @@ function fmtNum(v) { return v === null || v === undefined ? "–" : (Math.round(
 function fmtTime(s) { return s ? new Date(s).toLocaleString() : "–"; }
 function statusBadge(s) { return el("span", { class: "status " + s, testid: "status" }, s); }
 function view() { return document.getElementById("view"); }
+// A legend entry coloured as a token of logprob `lp` (through the CSSOM, which the CSP allows).
+function swatch(e, lp) { e.style.background = logprobColour(lp); return e; }
 
 function showLogin(message) {
   document.getElementById("login").hidden = false;
@@ -61,7 +67,7 @@ async function runsPage() {
       el("td", {}, e.paused ? "yes" : "no"), el("td", { testid: "engine-version" }, e.version),
       el("td", {}, e.running), el("td", {}, e.waiting))));
   const rows = data.runs.map((r) =>
-    el("tr", { class: "link", testid: "run-row", "data-run": r.id, onclick: () => (location.hash = "#/runs/" + r.id) },
+    el("tr", { class: "link", testid: "run-row", "data-run": r.id, onclick: () => (location.hash = "#/runs/" + enc(r.id)) },
       el("td", {}, r.name), el("td", { class: "mono" }, r.id), el("td", {}, statusBadge(r.status)),
       el("td", {}, r.sessions), el("td", {}, r.active_sessions), el("td", {}, r.rewarded_sessions),
       el("td", {}, r.consumed_sessions), el("td", {}, r.last_step === null ? "–" : r.last_step),
@@ -82,7 +88,7 @@ const CHARTS = [
 ];
 
 async function runPage(runId) {
-  const run = await api("GET", "/runs/" + runId);
+  const run = await api("GET", "/runs/" + enc(runId));
   const charts = el("div", { class: "charts", testid: "charts" });
   const sessions = el("div", { testid: "sessions" });
   const filters = filterForm(runId, sessions);
@@ -98,7 +104,7 @@ async function runPage(runId) {
     controls, el("p", { class: "error", id: "action-error" }),
     el("h2", {}, "Training"), charts, el("h2", {}, "Sessions"), filters, sessions);
   const refresh = async () => {
-    const m = await api("GET", `/runs/${runId}/metrics`);
+    const m = await api("GET", `/runs/${enc(runId)}/metrics`);
     charts.replaceChildren(...CHARTS.map(([key, title]) => lineChart(title, m.steps, m.series[key] || [], "chart-" + key)));
   };
   await Promise.all([refresh(), loadSessions(runId, sessions, filters, 0)]);
@@ -107,7 +113,7 @@ async function runPage(runId) {
 
 async function runAction(runId, action) {
   try {
-    await api("POST", `/runs/${runId}/${action}`);
+    await api("POST", `/runs/${enc(runId)}/${action}`);
     await route();
   } catch (err) {
     document.getElementById("action-error").textContent = err.message;
@@ -116,7 +122,7 @@ async function runAction(runId, action) {
 
 // The export needs the bearer header, so it is fetched and handed to the browser as a file.
 async function exportRun(runId) {
-  const r = await fetch(`/runs/${runId}/export`, { headers: { Authorization: "Bearer " + token() } });
+  const r = await fetch(`/runs/${enc(runId)}/export`, { headers: { Authorization: "Bearer " + token() } });
   if (!r.ok) throw new ApiError(r.status, "export failed: " + r.statusText);
   const url = URL.createObjectURL(await r.blob());
   const a = el("a", { href: url, download: runId + ".jsonl" });
@@ -145,10 +151,10 @@ async function loadSessions(runId, target, form, offset) {
   const q = new URLSearchParams({ limit: "25", offset: String(offset) });
   for (const [k, v] of new FormData(form).entries()) if (v !== "") q.set(k, String(v));
   let data;
-  try { data = await api("GET", `/runs/${runId}/sessions?${q}`); }
+  try { data = await api("GET", `/runs/${enc(runId)}/sessions?${q}`); }
   catch (err) { target.replaceChildren(el("p", { class: "error" }, err.message)); return; }
   const rows = data.sessions.map((s) =>
-    el("tr", { class: "link", testid: "session-row", "data-session": s.id, onclick: () => (location.hash = "#/sessions/" + s.id) },
+    el("tr", { class: "link", testid: "session-row", "data-session": s.id, onclick: () => (location.hash = "#/sessions/" + enc(s.id)) },
       el("td", { class: "mono" }, s.id), el("td", {}, statusBadge(s.status)), el("td", {}, s.group_id || "–"),
       el("td", {}, s.turns), el("td", {}, fmtNum(s.reward)), el("td", {}, s.prefix_breaks),
       el("td", {}, s.train_state), el("td", {}, fmtTime(s.created_at))));
@@ -164,7 +170,7 @@ async function loadSessions(runId, target, form, offset) {
 // --- session page -----------------------------------------------------------------------------
 
 async function sessionPage(sessionId) {
-  const s = await api("GET", `/sessions/${sessionId}?texts=true`);
+  const s = await api("GET", `/sessions/${enc(sessionId)}?texts=true`);
   const completions = s.segments.flatMap((g) => g.completion_ids);
   const rewards = el("table", { testid: "rewards" },
     el("tr", {}, ...["reward", "turn", "key", "at"].map((h) => el("th", {}, h))),
@@ -180,11 +186,11 @@ async function sessionPage(sessionId) {
     e.preventDefault();
     const body = { reward: Number(value.value) };
     if (target.value) body.completion_id = target.value;
-    try { await api("PUT", `/sessions/${sessionId}/reward`, body); await route(); }
+    try { await api("PUT", `/sessions/${enc(sessionId)}/reward`, body); await route(); }
     catch (err) { msg.textContent = err.message; msg.className = "error"; }
   });
   view().replaceChildren(
-    el("p", {}, el("a", { href: "#/runs/" + s.run_id }, "← run " + s.run_id)),
+    el("p", {}, el("a", { href: "#/runs/" + enc(s.run_id) }, "← run " + s.run_id)),
     el("h1", {}, "Session ", el("span", { class: "mono" }, s.id), " ", statusBadge(s.status)),
     el("dl", { class: "kv" },
       el("dt", {}, "group"), el("dd", {}, s.group_id || "–"),
@@ -194,8 +200,8 @@ async function sessionPage(sessionId) {
       el("dt", {}, "returns"), el("dd", { class: "mono", testid: "returns" }, JSON.stringify(s.returns))),
     el("h2", {}, "Rewards"), rewards, form,
     el("h2", {}, "Trajectory"),
-    el("p", { class: "legend" }, el("span", { class: "tok sampled", style: "background:" + logprobColour(-0.05) }, "sampled, likely"),
-      el("span", { class: "tok sampled", style: "background:" + logprobColour(-3) }, "sampled, unlikely"),
+    el("p", { class: "legend" }, swatch(el("span", { class: "tok sampled" }, "sampled, likely"), -0.05),
+      swatch(el("span", { class: "tok sampled" }, "sampled, unlikely"), -3),
       el("span", { class: "tok masked" }, "context (loss-masked)"), el("span", { class: "tok tool" }, "tool output (loss-masked)"),
       el("span", { class: "ver" }, "v3"), " policy version of the sampled span"),
     ...s.segments.map((g) => el("div", {}, el("h3", {}, `segment ${g.index} · ${g.tokens.length} tokens · ${g.completion_ids.length} turns`), renderSegment(g))));

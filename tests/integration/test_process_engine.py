@@ -1,7 +1,8 @@
 """The local engine in its own process (`ProcessEngine`): the same tokens and logprobs as in
 this process, batching, abort, pause/resume, weight swaps through shared memory and from a
 directory with in-flight requests continuing on the new version, typed errors across the process
-boundary, and a clear failure when the engine process dies."""
+boundary, faults contained to the request they concern, and an engine process that is started
+again when it dies, on the current weights and version."""
 
 from __future__ import annotations
 
@@ -21,13 +22,23 @@ from engines.errors import (
     EngineUnavailableError,
     InvalidSamplingError,
     PromptTooLongError,
+    RequestFailedError,
     TokenOutOfRangeError,
     WeightUpdateError,
 )
 from engines.ipc import _shm_dir
 from engines.local import LocalEngine, LocalEngineConfig
-from engines.process import ProcessEngine
-from tests.unit.test_local_engine import PROMPTS, max_diff, perturbed, req, teacher_forced
+from engines.process import ProcessEngine, RestartPolicy
+from tests.unit.test_local_engine import (
+    PROMPTS,
+    corrupt_dirs,
+    max_diff,
+    nan_state,
+    perturbed,
+    req,
+    teacher_forced,
+    unchecked,
+)
 
 # Starting an engine process costs seconds (a fresh interpreter imports torch and transformers),
 # so the tests share one and leave it as they found it (running, on the reference weights); only
@@ -49,7 +60,10 @@ def engine(shared: ProcessEngine) -> ProcessEngine:
 
 @pytest.fixture
 async def own_engine(tiny_model: Path) -> AsyncIterator[ProcessEngine]:
-    engine = ProcessEngine.load(LocalEngineConfig(model=str(tiny_model)))
+    """An engine process of its own that is not started again when it dies."""
+    engine = ProcessEngine.load(
+        LocalEngineConfig(model=str(tiny_model)), restart=RestartPolicy(max_restarts=0)
+    )
     yield engine
     await engine.close()
 
@@ -253,6 +267,7 @@ async def test_a_dead_engine_process_fails_streams_and_calls_clearly(
     health = await engine.health()
     assert not health.ok
     assert "exited with code -9" in health.detail
+    assert "not started again" in health.detail  # its policy allows no restart
     with pytest.raises(EngineUnavailableError, match="exited with code -9"):
         await collect(engine, req(PROMPTS[1], max_new_tokens=5))
     with pytest.raises(EngineUnavailableError):
@@ -281,3 +296,151 @@ def test_a_bad_model_directory_fails_to_load_with_its_reason(tmp_path: Path) -> 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=r"could not load the model.*Unrecognized model"):
         ProcessEngine.load(LocalEngineConfig(model=str(tmp_path)))
+
+
+# -- faults stay with the request they concern -------------------------------------------------
+
+
+async def test_bad_sampling_fails_one_request_and_the_engine_process_serves_on(
+    engine: ProcessEngine,
+) -> None:
+    """The two requests that ended inference for everyone on main: a top_k of 2**63 (now the
+    whole vocabulary: no truncation) and min_tokens with an out-of-vocabulary stop id (refused
+    by the check; sent past it, it fails in the engine process for that request alone)."""
+    good = req(PROMPTS[1], seed=3, max_new_tokens=60, ignore_eos=True)
+    alone = await collect(engine, good)
+    huge_k = req(PROMPTS[1], seed=3, max_new_tokens=60, ignore_eos=True, top_k=2**63)
+    assert (await collect(engine, huge_k)).token_ids == alone.token_ids
+    bad = req(PROMPTS[0], min_new_tokens=3, max_new_tokens=10, stop_token_ids=(10**6,))
+    with pytest.raises(InvalidSamplingError, match=r"stop_token_ids must be token ids in \[0, "):
+        engine.generate(bad)
+    beside = asyncio.create_task(collect(engine, good))
+    while not (await engine.health()).running:
+        await asyncio.sleep(0.001)
+    with pytest.raises(RequestFailedError, match="failed while serving this request") as failed:
+        await unchecked(engine, bad)
+    assert failed.value.retry_after is not None
+    assert (await beside).token_ids == alone.token_ids
+    assert (await collect(engine, good)).token_ids == alone.token_ids
+    assert (await engine.health()).ok
+
+
+async def test_unloadable_weights_are_refused_across_the_boundary(
+    engine: ProcessEngine, reference: Any, tmp_path: Path
+) -> None:
+    greedy = req(PROMPTS[2], temperature=0, max_new_tokens=20)
+    before = await collect(engine, greedy)
+    v = engine.version()
+    with pytest.raises(WeightUpdateError, match="non-finite"):
+        await engine.update_weights(WeightUpdate(state_dict=nan_state(reference)))
+    for path, reason in corrupt_dirs(reference, tmp_path).values():
+        with pytest.raises(WeightUpdateError, match=reason):
+            await engine.update_weights(WeightUpdate(path=path))
+    with pytest.raises(WeightUpdateError, match="larger than the largest policy version"):
+        await engine.update_weights(WeightUpdate(path=tmp_path / "good", version=2**31))
+    after = await collect(engine, greedy)
+    assert after.token_ids == before.token_ids
+    assert after.logprobs == before.logprobs
+    assert engine.version() == v
+    assert _staged_files() == []
+
+
+# -- supervision: a dead engine process is started again ---------------------------------------
+
+
+async def _until_up(engine: ProcessEngine) -> None:
+    async with asyncio.timeout(120):
+        while not (await engine.health()).ok:
+            await asyncio.sleep(0.1)
+
+
+async def test_a_killed_engine_process_comes_back_on_the_current_weights(
+    tiny_model: Path, reference: Any
+) -> None:
+    engine = ProcessEngine.load(LocalEngineConfig(model=str(tiny_model)))
+    try:
+        greedy = req(PROMPTS[2], temperature=0, max_new_tokens=20)
+        assert await engine.update_weights(WeightUpdate(state_dict=perturbed(reference, 0.05))) == 1
+        # a refused update in between: the restart must not pick it up
+        with pytest.raises(WeightUpdateError):
+            await engine.update_weights(WeightUpdate(state_dict=nan_state(reference)))
+        before = await collect(engine, greedy)
+        first_pid = engine.pid
+        task = asyncio.create_task(
+            collect(engine, req(PROMPTS[1], max_new_tokens=1000, ignore_eos=True))
+        )
+        while engine.stats.decode_steps < 2:
+            await asyncio.sleep(0.005)
+        os.kill(first_pid, signal.SIGKILL)
+        with pytest.raises(EngineUnavailableError, match="exited with code -9") as lost:
+            await task
+        assert lost.value.retry_after is not None
+        assert lost.value.retry_after >= 1
+        down = await engine.health()
+        assert not down.ok
+        assert "restarting" in down.detail
+        with pytest.raises(EngineUnavailableError, match="restarting") as refused:
+            await collect(engine, greedy)
+        assert refused.value.retry_after is not None
+        await _until_up(engine)
+        assert engine.pid != first_pid
+        assert not _alive(first_pid)
+        health = await engine.health()
+        assert health.restarts == engine.restarts == 1
+        assert health.version == engine.version() == 1
+        after = await collect(engine, greedy)
+        assert after.token_ids == before.token_ids
+        assert max_diff(list(after.logprobs), before.logprobs) <= 1e-6
+        assert after.versions == (1,) * 20
+        assert _staged_files() == []  # the copy handed to the new process is unlinked too
+        assert await engine.update_weights(WeightUpdate(state_dict=reference.state_dict())) == 2
+    finally:
+        await engine.close()
+    assert not _alive(engine.pid)
+
+
+async def test_an_engine_process_that_keeps_dying_stays_down_and_closes(tiny_model: Path) -> None:
+    engine = ProcessEngine.load(
+        LocalEngineConfig(model=str(tiny_model)),
+        restart=RestartPolicy(max_restarts=1, backoff_s=0.1),
+    )
+    try:
+        os.kill(engine.pid, signal.SIGKILL)
+        await _until_up(engine)
+        assert engine.restarts == 1
+        os.kill(engine.pid, signal.SIGKILL)
+        while "not started again" not in (health := await engine.health()).detail:
+            await asyncio.sleep(0.05)
+        assert not health.ok
+        assert "died 2 times" in health.detail
+        with pytest.raises(EngineUnavailableError, match="not started again") as refused:
+            await collect(engine, req(PROMPTS[1], max_new_tokens=5))
+        assert refused.value.retry_after is None
+    finally:
+        await engine.close()
+
+
+async def test_close_during_a_restart_stops_it(tiny_model: Path) -> None:
+    others = _children()
+    engine = ProcessEngine.load(LocalEngineConfig(model=str(tiny_model)))
+    os.kill(engine.pid, signal.SIGKILL)
+    while "restarting" not in (await engine.health()).detail:
+        await asyncio.sleep(0.01)
+    await engine.close()
+    assert not (await engine.health()).ok
+    assert not _alive(engine.pid)
+    assert _children() == others  # neither the killed engine process nor a new one is left
+
+
+def _children() -> list[tuple[int, bytes]]:
+    """(pid, command line) of this process's live children."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            out.append((int(stat.parent.name), cmdline))
+    return out

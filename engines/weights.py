@@ -1,0 +1,83 @@
+"""The checks a weight update passes before the local engine copies its first tensor.
+
+A refused update must change nothing, so everything that can be wrong with it is found first:
+its version (newer than the current one, within `MAX_POLICY_VERSION`), its files (each
+safetensors file of a directory readable whole), its names (every parameter of the model, no
+unknown ones), and per tensor its shape, a dtype that casts to the model's, and finite values in
+the model's dtype (a float32 value too large for bfloat16 is the inf it would become). Each
+failure is a `WeightUpdateError` that names the tensor or file and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.base import WeightUpdate
+from engines.errors import WeightUpdateError
+from engines.limits import MAX_POLICY_VERSION
+
+
+def checked_weights(
+    model: Any, update: WeightUpdate, *, current: int
+) -> tuple[int, Mapping[str, torch.Tensor]]:
+    """`update`'s version and state dict for `model`, which serves version `current`; or
+    `WeightUpdateError` saying what is wrong. Copies nothing into the model."""
+    version = update.version if update.version is not None else current + 1
+    if version <= current:
+        raise WeightUpdateError(
+            f"version {version} is not newer than the current version {current}"
+        )
+    if version > MAX_POLICY_VERSION:
+        raise WeightUpdateError(
+            f"version {version} is larger than the largest policy version {MAX_POLICY_VERSION}"
+        )
+    state = update.state_dict if update.state_dict is not None else read_dir(update.path)
+    params = dict(model.named_parameters())
+    known = model.state_dict()
+    missing = sorted(set(params) - set(state))
+    unknown = sorted(set(state) - set(known))
+    if missing or unknown:
+        raise WeightUpdateError(
+            f"the new weights do not fit the model: missing {missing[:5]}, unexpected {unknown[:5]}"
+        )
+    for name, tensor in state.items():
+        target = known[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise WeightUpdateError(
+                f"{name} has shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}"
+            )
+        if tensor.is_complex() or tensor.is_floating_point() != target.is_floating_point():
+            raise WeightUpdateError(
+                f"{name} has dtype {tensor.dtype}, which does not cast to the model's "
+                f"{target.dtype}"
+            )
+        if target.is_floating_point():
+            with torch.no_grad():
+                finite = bool(torch.isfinite(tensor.to(target.dtype)).all())
+            if not finite:
+                raise WeightUpdateError(
+                    f"{name} has non-finite values (NaN or inf) in {target.dtype}"
+                )
+    return version, state
+
+
+def read_dir(path: Path | None) -> Mapping[str, torch.Tensor]:
+    """Every tensor of the safetensors files in `path`; `WeightUpdateError` for none, or for a
+    file that cannot be read whole (corrupt, truncated, unreadable, gone)."""
+    from safetensors.torch import load_file
+
+    assert path is not None
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(f"no *.safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:
+            raise WeightUpdateError(f"could not read {f}: {exc}") from exc
+    return state
