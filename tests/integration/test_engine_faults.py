@@ -64,6 +64,20 @@ def chat(session: dict[str, Any], messages: list[dict[str, Any]], **kw: Any) -> 
     )
 
 
+def stream_events(session: dict[str, Any], messages: list[dict[str, Any]], **kw: Any) -> list[Any]:
+    """The `data:` payloads of a streamed chat request (JSON, or the string `[DONE]`)."""
+    with httpx.stream(
+        "POST",
+        f"{session['base_url']}/chat/completions",
+        json={"model": "tiny", "messages": messages, "stream": True, **kw},
+        headers={"Authorization": f"Bearer {session['api_key']}"},
+        timeout=120,
+    ) as stream:
+        assert stream.status_code == 200
+        lines = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    return [x if x == "[DONE]" else json.loads(x) for x in lines]
+
+
 def poll(gw: GatewayHandle, until: Callable[[httpx.Response], bool], timeout: float) -> Any:
     """GET /health every 20 ms until `until(response)`; return that response's JSON."""
     deadline = time.monotonic() + timeout
@@ -101,7 +115,7 @@ def test_a_killed_engine_comes_back_by_itself_on_the_current_weights(
         assert r.status_code == 400  # not newer than the version served now
         assert "[6, " in r.json()["error"]["message"]
 
-        s, probe, *loaders = gw.new_sessions(5)
+        s, probe, streamer, *loaders = gw.new_sessions(6)
         first = [user("Tell me something.")]
         greedy = {"temperature": 0, "max_tokens": 12, "logprobs": True}
         r1 = chat(s, first, **greedy)
@@ -109,10 +123,11 @@ def test_a_killed_engine_comes_back_by_itself_on_the_current_weights(
         before = r1.json()["choices"][0]
 
         killed = engine_pid(gw)
-        with ThreadPoolExecutor(len(loaders)) as pool:
+        with ThreadPoolExecutor(len(loaders) + 1) as pool:
             long = {"max_tokens": 2000, "ignore_eos": True}
             lost = [pool.submit(chat, session, [user("Go on.")], **long) for session in loaders]
-            poll(gw, lambda r: r.json()["running"] == len(loaders), timeout=60)
+            cut = pool.submit(stream_events, streamer, [user("Go on.")], **long)
+            poll(gw, lambda r: r.json()["running"] == len(loaders) + 1, timeout=60)
             os.kill(killed, signal.SIGKILL)
             down = poll(gw, lambda r: r.status_code == 503, timeout=30)
             assert down["ok"] is False
@@ -124,6 +139,15 @@ def test_a_killed_engine_comes_back_by_itself_on_the_current_weights(
             assert int(refused.headers["Retry-After"]) >= 1
             assert "restarting" in refused.json()["error"]["message"]
             replies = [f.result() for f in lost]
+            events = cut.result()
+        # the stream in flight fails as a stream: its tokens so far, an error event, [DONE]
+        assert events[-1] == "[DONE]"
+        assert "error" in events[-2], events[-2]
+        assert "exited with code -9" in events[-2]["error"]["message"]
+        assert all("error" not in e for e in events[:-2])
+        (cut_turn,) = gw.session(streamer["id"])["segments"]
+        assert list(gw.session(streamer["id"])["finish_reasons"].values()) == ["abort"]
+        assert sum(cut_turn["loss_mask"]) >= 1
         for reply in replies:
             assert reply.status_code == 503, reply.text
             assert int(reply.headers["Retry-After"]) >= 1
