@@ -36,6 +36,9 @@ class GatewaySettings(BaseSettings):
     max_model_len: int | None = Field(None, ge=16)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Requests with a larger body get 413."""
+    header_timeout: float = Field(15.0, gt=0)
+    """Seconds a connection has to complete each request's headers (from its opening, or from
+    the previous response); a slower one is closed (`gateway.serving`)."""
     discount: float = Field(1.0, ge=0.0, le=1.0)
     """Default per-turn discount gamma for returns (a run's config may set `discount`)."""
     engine: Literal["local", "vllm", "sglang"] = "local"

@@ -71,6 +71,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from gateway.serving import header_deadline
     from rlgateway.app import create_app
 
     logging.basicConfig(
@@ -87,6 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # Longer than common clients' keep-alive (httpx: 5 s), so that the server never closes
         # an idle connection just as a client reuses it (a ReadError on the client).
         timeout_keep_alive=30,
+        http=header_deadline(settings.header_timeout),
     )
     return 0
 

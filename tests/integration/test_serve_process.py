@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gateway.settings import GatewaySettings
@@ -26,6 +29,39 @@ def test_serve_prints_the_page_and_a_sigterm_is_a_clean_shutdown(
     assert gw.admin_token not in log  # a token the operator chose is not repeated
     assert " ERROR " not in log, log
     assert "exited with code" not in log, log
+
+
+def test_a_connection_that_never_completes_its_request_head_is_closed(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """uvicorn alone keeps such a connection forever (slowloris); the gateway gives each request
+    head `header_timeout` seconds, from the connection's opening or the previous response, and a
+    response that takes longer than that is not cut."""
+    env = {"RLGATEWAY_HEADER_TIMEOUT": "0.5"}
+    with run_gateway(tiny_model, tmp_path, extra_env=env) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
+            t0 = time.monotonic()
+            assert slow.recv(1024) == b""  # closed by the server
+            assert 0.4 < time.monotonic() - t0 < 5
+        with socket.create_connection((host, int(port)), timeout=10) as kept:
+            kept.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+            kept.sendall(b"GET /health HTTP/1.1\r\n")  # the next head, trickled: closed too
+            assert kept.recv(1024) == b""
+        # a generation that outlasts the deadline is answered whole
+        session = gw.new_session()
+        r = httpx.post(
+            f"{session['base_url']}/chat/completions",
+            headers={"Authorization": f"Bearer {session['api_key']}"},
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1900,
+                  "ignore_eos": True, "stream": True},
+            timeout=120,
+        )  # fmt: skip
+        assert r.status_code == 200
+        assert r.text.rstrip().endswith("data: [DONE]")
+        assert r.elapsed.total_seconds() > 0.5
 
 
 def test_a_made_up_token_comes_with_a_link_that_signs_the_page_in() -> None:
