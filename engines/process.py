@@ -31,16 +31,11 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engines.base import (
@@ -57,155 +52,34 @@ from engines.errors import (
     WeightUpdateError,
 )
 from engines.ipc import (
-    SOCKET_BUFFER,
     Abort,
     Control,
     ErrorKind,
-    FrameReader,
     LoadWeights,
-    Ready,
     Reply,
     SharedWeights,
-    Start,
-    StartFailed,
     Step,
     Submit,
     ToEngine,
     WeightStage,
-    frame,
     unlink,
 )
 from engines.limits import check_local_request
+from engines.process_child import (
+    Applied,
+    Child,
+    Item,
+    PendingCall,
+    RestartPolicy,
+    Sink,
+    default_threads,
+    spawn,
+)
 
 if TYPE_CHECKING:
     from engines.local import EngineStats, LocalEngineConfig
 
 log = logging.getLogger(__name__)
-
-_Item = TokenChunk | BaseException
-
-
-def default_threads() -> int:
-    """Torch threads for the engine process: every core this process may use but one, which is
-    left to the gateway's event loop (HTTP, chat templates, the commit). On 2 idle cores the
-    engine with 1 thread gave the gateway 1.46x the throughput it had with 2 threads on the tiny
-    model (64 clients) and 1.10x on the demo model; with 2 threads the engine's threads and the
-    event loop take turns on the cores (BENCHMARKS.md)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RestartPolicy:
-    """When a dead engine process is started again."""
-
-    max_restarts: int = 5
-    """Restarts within `window_s`; the engine stays down after one more death in the window."""
-    window_s: float = 600.0
-    """Seconds over which deaths are counted."""
-    backoff_s: float = 0.5
-    """Seconds before the first restart in the window, doubled for each further one."""
-    max_backoff_s: float = 30.0
-    """The longest wait before a restart."""
-
-
-@dataclass(eq=False, slots=True)
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[_Item]
-
-
-@dataclass(eq=False, slots=True)
-class _Call:
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Any]
-    on_success: Callable[[Any], None] | None = None
-    """Run on the reader thread with the reply's value before the caller sees it (so that what
-    a weight swap changed is recorded before a death that follows it can start a restart)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Applied:
-    """The weights a new engine process must be given: a directory (`path`) or the state dict
-    the stage keeps (`path` None), at `version`."""
-
-    version: int
-    path: str | None
-
-
-class _Child:
-    """One engine process, its socket, and the streams and calls in flight on it."""
-
-    def __init__(
-        self, proc: subprocess.Popen[bytes], sock: socket.socket, frames: FrameReader, ready: Ready
-    ) -> None:
-        self.proc = proc
-        self.pid = proc.pid
-        self.sock = sock
-        self.frames = frames
-        """Reads `sock`; it may hold messages already read past `ready`."""
-        self.ready = ready
-        self.live: dict[str, _Stream] = {}
-        self.calls: dict[int, _Call] = {}
-        self._send_lock = threading.Lock()
-
-    def send(self, msg: ToEngine) -> None:
-        data = frame(msg)
-        try:
-            with self._send_lock:
-                self.sock.sendall(data)
-        except OSError as exc:
-            raise EngineUnavailableError(f"the engine process is gone: {exc}") from exc
-
-    def ask(self, msg: ToEngine) -> Reply:
-        """Send `msg` and wait for its reply, before any reader thread runs (a new child)."""
-        self.send(msg)
-        reply = next(iter(self.frames.read()))
-        assert isinstance(reply, Reply), f"expected Reply, got {type(reply).__name__}"
-        return reply
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        self.proc.wait()
-        self.sock.close()
-
-
-def _spawn(config: LocalEngineConfig, threads: int) -> _Child:
-    """Start an engine process and wait until its model is loaded. Raises `ValueError` for a bad
-    config and `EngineUnavailableError` if the child fails otherwise."""
-    ours, theirs = socket.socketpair()
-    for s in (ours, theirs):  # room for many steps, so the engine never waits on the gateway
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-    # The child imports `engines` from wherever this process did, installed or not.
-    root = str(Path(__file__).resolve().parent.parent)
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    with theirs:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "engines.process_main", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            env={**os.environ, "PYTHONPATH": path},
-        )
-    frames = FrameReader(ours)
-    try:
-        ours.sendall(frame(Start(config, threads)))
-        msg = next(iter(frames.read()))
-    except (EOFError, OSError) as exc:
-        ours.close()
-        code = proc.wait()
-        raise EngineUnavailableError(
-            f"the engine process exited with code {code} while loading {config.model}"
-        ) from exc
-    if isinstance(msg, StartFailed):
-        ours.close()
-        proc.wait()
-        if msg.kind == "value":
-            raise ValueError(f"the engine process could not load the model: {msg.message}")
-        raise EngineUnavailableError(
-            f"the engine process could not load {config.model}: {msg.message}"
-        )
-    assert isinstance(msg, Ready), f"expected Ready, got {type(msg).__name__}"
-    return _Child(proc, ours, frames, msg)
 
 
 def _error(kind: ErrorKind, message: str, retry_after: float | None = None) -> Exception:
@@ -224,7 +98,7 @@ class ProcessEngine:
 
     def __init__(
         self,
-        child: _Child,
+        child: Child,
         config: LocalEngineConfig,
         *,
         threads: int,
@@ -251,7 +125,7 @@ class ProcessEngine:
         """How long the last start took: what a restart is expected to take."""
         self._version = ready.version
         self._lock = threading.Lock()
-        self._child: _Child | None = child
+        self._child: Child | None = child
         self._down: str | None = None
         """Why the engine is not serving (None while a child is up)."""
         self._retry_at: float | None = None
@@ -259,7 +133,7 @@ class ProcessEngine:
         self._deaths: collections.deque[float] = collections.deque()
         self._closing = False
         self._paused = False
-        self._applied: _Applied | None = None
+        self._applied: Applied | None = None
         self._call_ids = itertools.count()
         self._stage = WeightStage()
         self._update_lock = asyncio.Lock()
@@ -282,7 +156,7 @@ class ProcessEngine:
         `EngineUnavailableError` if the child fails otherwise."""
         threads = threads or default_threads()
         started = time.monotonic()
-        child = _spawn(config, threads)
+        child = spawn(config, threads)
         return cls(
             child,
             config,
@@ -302,7 +176,7 @@ class ProcessEngine:
 
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         rid = request.request_id
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             child = self._up()
             if rid in child.live:
@@ -345,7 +219,7 @@ class ProcessEngine:
                 path = str(update.path.resolve())
 
                 def applied_dir(version: int) -> None:
-                    self._set_applied(_Applied(version, path))
+                    self._set_applied(Applied(version, path))
                     self._stage.drop_applied()
 
                 version: int = await self._call(
@@ -358,7 +232,7 @@ class ProcessEngine:
 
             def applied_state(version: int) -> None:
                 self._stage.commit()
-                self._set_applied(_Applied(version, None))
+                self._set_applied(Applied(version, None))
 
             try:
                 version = await self._call(
@@ -418,7 +292,7 @@ class ProcessEngine:
 
     # -- talking to the child ------------------------------------------------------------------
 
-    def _up(self) -> _Child:
+    def _up(self) -> Child:
         """The child now serving, or `EngineUnavailableError` saying why there is none. Called
         with `_lock` held."""
         if self._closing:
@@ -433,7 +307,7 @@ class ProcessEngine:
             return None
         return max(1.0, self._retry_at - time.monotonic())
 
-    def _set_applied(self, applied: _Applied) -> None:
+    def _set_applied(self, applied: Applied) -> None:
         with self._lock:
             self._applied = applied
 
@@ -449,7 +323,7 @@ class ProcessEngine:
         with self._lock:
             child = self._child if closing and self._child is not None else self._up()
             call_id = next(self._call_ids)
-            child.calls[call_id] = _Call(loop, future, on_success)
+            child.calls[call_id] = PendingCall(loop, future, on_success)
         try:
             child.send(make(call_id))
         except BaseException:
@@ -458,14 +332,14 @@ class ProcessEngine:
             raise
         return await future
 
-    def _watch(self, child: _Child) -> None:
+    def _watch(self, child: Child) -> None:
         reader = threading.Thread(
             target=self._read, args=(child,), name="rlgateway-engine-reader", daemon=True
         )
         self._readers.append(reader)
         reader.start()
 
-    def _read(self, child: _Child) -> None:
+    def _read(self, child: Child) -> None:
         """The reader thread of `child`: dispatch its messages until its end closes, then fail
         what was in flight on it and, unless closing, start a new child. It takes whatever has
         arrived in one read, so a busy event loop (holding the GIL) costs it one GIL hand-over
@@ -489,10 +363,10 @@ class ProcessEngine:
         if delay is not None:
             self._restart_after(delay)
 
-    def _on_step(self, child: _Child, msg: Step) -> None:
+    def _on_step(self, child: Child, msg: Step) -> None:
         self._version = msg.version
         self.stats = msg.stats
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = (
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Item], Item]]] = (
             defaultdict(list)
         )
         with self._lock:
@@ -509,7 +383,7 @@ class ProcessEngine:
                     by_loop[stream.loop].append((stream.queue, _error(kind, message, retry_after)))
         _post(by_loop)
 
-    def _on_reply(self, child: _Child, msg: Reply) -> None:
+    def _on_reply(self, child: Child, msg: Reply) -> None:
         with self._lock:
             call = child.calls.pop(msg.call_id)
         result: Any = msg.value
@@ -523,7 +397,7 @@ class ProcessEngine:
         with contextlib.suppress(RuntimeError):
             call.loop.call_soon_threadsafe(_settle, call.future, result)
 
-    def _on_exit(self, child: _Child) -> float | None:
+    def _on_exit(self, child: Child) -> float | None:
         """`child` is gone: fail what it held; return the backoff before a restart, or None
         when there is to be none (closing, or too many deaths)."""
         code = child.proc.wait()
@@ -543,7 +417,7 @@ class ProcessEngine:
             streams, child.live = list(child.live.values()), {}
             calls, child.calls = list(child.calls.values()), {}
         error = self._down or reason
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = (
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Item], Item]]] = (
             defaultdict(list)
         )
         for stream in streams:
@@ -616,11 +490,11 @@ class ProcessEngine:
             self._watch(child)
             return
 
-    def _start_child(self) -> _Child:
+    def _start_child(self) -> Child:
         """A new child on the current weights and version, paused if the engine is."""
         from engines.local import EngineStats
 
-        child = _spawn(self.config, self._threads_asked)
+        child = spawn(self.config, self._threads_asked)
         with self._lock:
             applied, paused = self._applied, self._paused
         shared: SharedWeights | None = None
@@ -651,7 +525,7 @@ class ProcessEngine:
 
 
 def _post(
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]],
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Item], Item]]],
 ) -> None:
     for loop, items in by_loop.items():
         # A closed loop raises RuntimeError: its consumer is gone and nobody is listening.
@@ -659,7 +533,7 @@ def _post(
             loop.call_soon_threadsafe(_put_all, items)
 
 
-def _put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue[Item], Item]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
 
