@@ -253,7 +253,12 @@ class ProcessEngine:
             except EngineUnavailableError:
                 pass  # it died during the call: report it down
         with self._lock:
-            detail = self._down or "the engine process is closed"
+            if self._down is not None:
+                detail = self._down
+            elif self._closing:
+                detail = "the engine process is closed"
+            else:  # it died under this call; its exit is being handled (then `_down` says how)
+                detail = f"the engine process (pid {self.pid}) is gone"
         return EngineHealth(
             ok=False,
             paused=self._paused,

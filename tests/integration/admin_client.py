@@ -16,11 +16,10 @@ import pytest
 from fastapi import FastAPI
 
 from engines.local import LocalEngine, LocalEngineConfig
-from engines.tiny_model import load_tokenizer
-from gateway.deps import Components
 from gateway.settings import GatewaySettings
 from rlgateway.app import create_app
 from store import Store
+from tests.support.components import tiny_components
 
 ADMIN_TOKEN = "admin-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -73,13 +72,7 @@ class App:
 @asynccontextmanager
 async def app_client(engine: LocalEngine, tiny_model: Path, url: str) -> AsyncIterator[App]:
     store = await Store.connect(url)
-    components = Components(
-        engine=engine,
-        store=store,
-        tokenizer=load_tokenizer(tiny_model),
-        eos_token_ids=engine.eos_token_ids,
-        model_name="tiny",
-    )
+    components = tiny_components(engine, store, tiny_model)
     app = create_app(GatewaySettings(admin_token=ADMIN_TOKEN), components)
     try:
         async with app.router.lifespan_context(app):

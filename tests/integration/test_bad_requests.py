@@ -19,11 +19,11 @@ import pytest
 
 from engines.local import LocalEngine
 from engines.tiny_model import load_tokenizer
-from gateway.deps import Components
 from gateway.settings import GatewaySettings
 from rlgateway.app import create_app
 from store import Store
 from tests.integration.admin_client import ADMIN, bearer, engine  # noqa: F401
+from tests.support.components import tiny_components
 
 USER = [{"role": "user", "content": "hello"}]
 BODY_LIMIT = 64 * 1024
@@ -71,13 +71,7 @@ class Gw:
 @pytest.fixture
 async def gw(engine: LocalEngine, tiny_model: Path, tmp_path: Path) -> AsyncIterator[Gw]:  # noqa: F811
     store = await Store.connect(f"sqlite:///{tmp_path / 'bad.db'}")
-    components = Components(
-        engine=engine,
-        store=store,
-        tokenizer=load_tokenizer(tiny_model),
-        eos_token_ids=engine.eos_token_ids,
-        model_name="tiny",
-    )
+    components = tiny_components(engine, store, tiny_model)
     app = create_app(
         GatewaySettings(admin_token="admin-token", max_body_bytes=BODY_LIMIT), components
     )
@@ -427,13 +421,7 @@ async def test_an_unexpected_error_is_an_openai_shaped_500(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     store = await Store.connect(f"sqlite:///{tmp_path / 'boom.db'}")
-    components = Components(
-        engine=engine,
-        store=store,
-        tokenizer=load_tokenizer(tiny_model),
-        eos_token_ids=engine.eos_token_ids,
-        model_name="tiny",
-    )
+    components = tiny_components(engine, store, tiny_model)
     app = create_app(GatewaySettings(admin_token="admin-token"), components)
 
     async def broken() -> None:

@@ -15,10 +15,10 @@ import pytest
 from engines.local import LocalEngine, LocalEngineConfig
 from engines.process import ProcessEngine
 from engines.tiny_model import load_tokenizer
-from gateway.deps import Components
 from gateway.settings import GatewaySettings
 from rlgateway.app import create_app
 from store import Store
+from tests.support.components import tiny_components
 
 ADMIN = {"Authorization": "Bearer admin-token"}
 
@@ -64,13 +64,7 @@ async def _client(
     engine: LocalEngine | ProcessEngine, tiny_model: Path, url: str
 ) -> AsyncIterator[Client]:
     store = await Store.connect(url)
-    components = Components(
-        engine=engine,
-        store=store,
-        tokenizer=load_tokenizer(tiny_model),
-        eos_token_ids=engine.eos_token_ids,
-        model_name="tiny",
-    )
+    components = tiny_components(engine, store, tiny_model)
     settings = GatewaySettings(admin_token="admin-token", max_body_bytes=64 * 1024)
     app = create_app(settings, components)
     async with app.router.lifespan_context(app):

@@ -20,11 +20,10 @@ import torch
 
 from engines.local import LocalEngine, LocalEngineConfig
 from engines.process import ProcessEngine
-from engines.tiny_model import load_tokenizer
-from gateway.deps import Components
 from gateway.settings import GatewaySettings
 from rlgateway.app import create_app
 from store import Store
+from tests.support.components import tiny_components
 from trainer import checkpoint
 from trainer.backends.registry import build_backend, build_value_backend
 from trainer.config import TrainConfig
@@ -134,13 +133,7 @@ async def harness(
     )
     db_path = tmp_path / "store.db"
     store = await Store.connect(f"sqlite:///{db_path}")
-    components = Components(
-        engine=engine,
-        store=store,
-        tokenizer=load_tokenizer(tiny_model),
-        eos_token_ids=engine.eos_token_ids,
-        model_name="tiny",
-    )
+    components = tiny_components(engine, store, tiny_model)
     app = create_app(GatewaySettings(admin_token="admin"), components)
     try:
         async with app.router.lifespan_context(app):

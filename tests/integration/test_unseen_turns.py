@@ -27,13 +27,12 @@ import openai
 import pytest
 
 from engines.local import LocalEngine, LocalEngineConfig
-from engines.tiny_model import load_tokenizer
-from gateway.deps import Components
 from gateway.settings import GatewaySettings
 from rlgateway.app import create_app
 from store import Store
 from store.types import Trajectory
 from tests.integration.gateway_server import run_gateway
+from tests.support.components import tiny_components
 from trainer.algorithms.config import AlgorithmConfig
 from trainer.sequences import build_sequences
 
@@ -95,13 +94,7 @@ class Gw:
 
 async def _gateway(engine: LocalEngine, tiny_model: Path, url: str) -> AsyncIterator[Gw]:
     store = await Store.connect(url)
-    components = Components(
-        engine=engine,
-        store=store,
-        tokenizer=load_tokenizer(tiny_model),
-        eos_token_ids=engine.eos_token_ids,
-        model_name="tiny",
-    )
+    components = tiny_components(engine, store, tiny_model)
     app = create_app(GatewaySettings(admin_token="admin-token"), components)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

@@ -6,7 +6,7 @@ the server's weights and puts the original ones back at the end:
 - the adapter's tokens and behaviour logprobs equal the trainer's (FSDP backend) recomputation;
 - top logprobs, stop tokens and aborts come back as the Engine protocol promises;
 - the `openai` SDK through `rlgateway serve --engine vllm --engine-url` records what vLLM sampled;
-- a training step's weights, published the way the trainer does (`DiskPublisher` ->
+- a training step's weights, published the way the trainer does (its safetensors directory ->
   `/admin/weights` -> reload in vLLM), are hot-swapped while a request streams: the request
   completes, its tokens carry version 0 then 1, each span's logprobs are its policy's, and vLLM's
   logprobs afterwards are the trained weights'.
@@ -256,18 +256,21 @@ def restore_original_weights(vllm_url: str, tiny_model: Path) -> None:
 
 
 def swap_and_check(gateway: GatewayHandle, tiny_model: Path, vllm_url: str, tmp_path: Path) -> None:
-    from trainer.publish import DiskPublisher
+    from trainer.publish import save_weights
 
     backend, state = train_once(tiny_model)
-    publisher = DiskPublisher(tmp_path / "weights", tiny_model, gateway.url, gateway.admin_token)
     timings: list[str] = []
     for _ in range(TRIES):
         version = gateway.client.get("/health").json()["version"] + 1
+        # The trainer's directory (as DiskPublisher writes it), written before the stream: at the
+        # first token only the announcement remains, so the swap lands while vLLM generates.
+        weights = tmp_path / "weights" / f"v{version}"
+        save_weights(state, tiny_model, weights)
         with concurrent.futures.ThreadPoolExecutor(LOAD) as pool:
             # Other clients keep vLLM busy, so that the gateway's request is still generating
             # when the swap lands (alone it finishes in a second or two); the swap aborts them.
             load = [pool.submit(busy_vllm, vllm_url) for _ in range(LOAD)]
-            session = stream_across_a_swap(gateway, publisher, state, version, timings)
+            session = stream_across_a_swap(gateway, weights, version, timings)
             for f in load:
                 assert f.result() in {"abort", "length"}
         [seg] = gateway.session(session["id"])["segments"]
@@ -296,13 +299,10 @@ def busy_vllm(url: str) -> str:
 
 
 def stream_across_a_swap(
-    gateway: GatewayHandle,
-    publisher: Any,
-    state: dict[str, Any],
-    version: int,
-    timings: list[str],
+    gateway: GatewayHandle, weights: Path, version: int, timings: list[str]
 ) -> dict[str, Any]:
-    """A long streamed chat; once its first token arrived, the trainer publishes `version`.
+    """A long streamed chat; once its first token arrived, the trainer publishes `weights` as
+    `version` (`POST /admin/weights`, as DiskPublisher does).
     Appends "first token / swap done / last token" seconds to `timings`."""
     deadline = time.monotonic() + 30
     while not busy(gateway) and time.monotonic() < deadline:
@@ -328,7 +328,10 @@ def stream_across_a_swap(
                 tokens_before_swap += len(choice.logprobs.content or [])
                 if tokens_before_swap >= 1 and not swapped:  # vLLM is generating: swap now
                     marks.append(time.monotonic() - t0)
-                    assert asyncio.run(publisher.publish(state, version)) == version
+                    r = gateway.client.post(
+                        "/admin/weights", json={"path": str(weights), "version": version}
+                    )
+                    assert r.json() == {"version": version}, r.text
                     marks.append(time.monotonic() - t0)
                     swapped = True
             if choice is not None and choice.finish_reason is not None:
