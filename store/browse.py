@@ -12,7 +12,7 @@ from store.db import Database
 from store.sessions import info_from_row
 from store.tables import CompletionRow, RewardRow, SegmentRow, SessionRow
 from store.trajectories import Loaded, load_sessions
-from store.types import JSON, SessionFilter, SessionStatus, SessionSummary
+from store.types import JSON, SessionFilter, SessionStatus, SessionSummary, TurnStatus
 
 MAX_PAGE = 500
 
@@ -65,7 +65,19 @@ async def list_sessions(
         raise ValueError(f"offset must be >= 0, got {offset}")
     sums = _reward_sums().subquery()
     conds = _where(run_id, f, sums.c.total)
-    base = select(SessionRow, sums.c.total).outerjoin(sums, sums.c.session_id == SessionRow.id)
+    # the turns its client got or may have got: a replaced attempt is no turn of the session
+    turns = (
+        select(func.count(CompletionRow.id))
+        .where(
+            CompletionRow.session_id == SessionRow.id,
+            CompletionRow.status != TurnStatus.REPLACED.value,
+        )
+        .correlate(SessionRow)
+        .scalar_subquery()
+    )
+    base = select(SessionRow, sums.c.total, turns.label("turns")).outerjoin(
+        sums, sums.c.session_id == SessionRow.id
+    )
     async with db.read() as s:
         count = await s.scalar(
             select(func.count())
@@ -82,7 +94,7 @@ async def list_sessions(
         page = [
             SessionSummary(
                 info=info_from_row(r.SessionRow),
-                turns=r.SessionRow.turn_count,
+                turns=int(r.turns),
                 reward=None if r.total is None else float(r.total),
             )
             for r in rows

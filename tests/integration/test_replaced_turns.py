@@ -41,6 +41,9 @@ async def test_a_turn_replaces_the_last_turn_of_its_segment(store: Store) -> Non
     assert shown.completion_ids == ["c0", "c2"]
     assert shown.tokens == [1, 2, 3, 4, 7]
     assert shown.loss_mask == [0, 0, 1, 0, 1]
+    run_id = (await store.session_detail(sid)).info.run_id
+    [listed], _ = await store.list_sessions(run_id, SessionFilter())
+    assert listed.turns == 2  # c0 and c2: the replaced attempt c1 is no turn of the session
 
 
 async def test_aborted_turns_are_context_at_most_for_the_trainer_and_the_export(
