@@ -24,23 +24,10 @@ from transformers import AutoModelForCausalLM
 
 from engines.limits import MAX_POLICY_VERSION
 from tests.integration.gateway_server import GatewayHandle, run_gateway
+from tests.support.procs import live_children
 from tests.unit.test_local_engine import perturbed
 
 pytestmark = pytest.mark.slow
-
-
-def _proc_children(pid: int) -> list[tuple[int, bytes]]:
-    """(pid, command line) of the live children of `pid`."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append((int(stat.parent.name), cmdline))
-    return out
 
 
 def engine_pid(gw: GatewayHandle) -> int:
@@ -48,10 +35,10 @@ def engine_pid(gw: GatewayHandle) -> int:
     port = gw.url.rsplit(":", 1)[1].encode()
     (serve,) = [
         pid
-        for pid, cmd in _proc_children(os.getpid())
+        for pid, cmd in live_children(os.getpid())
         if b"rlgateway.cli\0serve\0" in cmd and b"\0--port\0" + port + b"\0" in cmd
     ]
-    (engine,) = [pid for pid, cmd in _proc_children(serve) if b"engines.process_main" in cmd]
+    (engine,) = [pid for pid, cmd in live_children(serve) if b"engines.process_main" in cmd]
     return engine
 
 

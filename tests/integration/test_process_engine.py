@@ -29,6 +29,7 @@ from engines.errors import (
 from engines.ipc import _shm_dir
 from engines.local import LocalEngine, LocalEngineConfig
 from engines.process import ProcessEngine, RestartPolicy
+from tests.support.procs import live_children
 from tests.unit.test_local_engine import (
     PROMPTS,
     corrupt_dirs,
@@ -434,13 +435,4 @@ async def test_close_during_a_restart_stops_it(tiny_model: Path) -> None:
 
 def _children() -> list[tuple[int, bytes]]:
     """(pid, command line) of this process's live children."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            out.append((int(stat.parent.name), cmdline))
-    return out
+    return live_children(os.getpid())
