@@ -16,6 +16,7 @@ from collections import defaultdict
 
 from gateway.errors import TooManyRequests
 from store import Store
+from store.run_config import run_config_of, throttled
 from store.types import Run
 
 
@@ -44,24 +45,21 @@ class Admission:
         return self._locks[run_id]
 
     async def check(self, run: Run, count: int, version: int) -> None:
-        cfg = run.config
-        if "eta" not in cfg and "batch_size" not in cfg:
+        if not throttled(run.config):
             return
-        eta = int(cfg.get("eta", 1))
-        batch = int(cfg.get("batch_size", 8))
-        limit = cfg.get("max_concurrent")
+        cfg = run_config_of(run.config)
         running, accepted = await self.store.run_counts(run.id)
         room = capacity(
             version=version,
             running=running,
             accepted=accepted,
-            eta=eta,
-            batch_size=batch,
-            max_concurrent=None if limit is None else int(limit),
+            eta=cfg.eta,
+            batch_size=cfg.batch_size,
+            max_concurrent=cfg.max_concurrent,
         )
         if count > room:
             raise TooManyRequests(
-                f"run {run.id} is at its staleness bound (eta={eta}, policy version {version}, "
+                f"run {run.id} is at its staleness bound (eta={cfg.eta}, policy version {version}, "
                 f"{running} running, {accepted} finished, room for {max(room, 0)}): retry after "
                 "the trainer publishes the next version",
                 retry_after=1.0,

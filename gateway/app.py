@@ -1,10 +1,12 @@
 """The FastAPI application: wiring only. Routes live in `gateway/routes/`, one module per resource.
 
 `create_app(settings)` builds the engine, store and tokenizer in its lifespan (what `rlgateway
-serve` does); tests and embedders pass ready-made components with `create_app(settings,
-components=...)` and keep ownership of them. The gateway knows nothing of the trainer: the
-composition layer (`rlgateway.app`) passes the trainer's run-config check and, for `serve
---train`, the embedded trainer as a sidecar.
+serve` does) and loads the store's newest published policy into the engine before it serves
+(`gateway.published`); tests and embedders pass ready-made components with
+`create_app(settings, components=...)` and keep ownership of them (and of the weights their
+engine serves). The gateway knows nothing of the trainer: the composition layer
+(`rlgateway.app`) passes the trainer's run-config check and, for `serve --train`, the embedded
+trainer as a sidecar.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from gateway.deps import (
     Components,
     GatewayDep,
     RunConfigCheck,
-    accept_any_config,
     build_gateway,
+    check_run_fields,
 )
 from gateway.errors import install_error_handlers
 from gateway.limits import BodyLimit
 from gateway.metrics import GatewayMetrics, RequestMetrics, engine_health
+from gateway.published import restore_policy
 from gateway.settings import GatewaySettings
 from store import Store
 
@@ -84,7 +87,7 @@ def create_app(
     settings: GatewaySettings,
     components: Components | None = None,
     *,
-    check_run_config: RunConfigCheck = accept_any_config,
+    check_run_config: RunConfigCheck = check_run_fields,
     sidecars: Sequence[Sidecar] = (),
 ) -> FastAPI:
     """The gateway. Without `components` it loads the engine and store from `settings` in its
@@ -111,8 +114,12 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = components is None
         c = components if components is not None else await load_components(settings)
-        app.state.gateway = build_gateway(settings, c, metrics, check_run_config)
         try:
+            if owned:
+                # before the server reports ready or admits a session (uvicorn serves nothing
+                # until the lifespan starts up): agents sample the newest policy, not the base
+                await restore_policy(c.engine, c.store)
+            app.state.gateway = build_gateway(settings, c, metrics, check_run_config)
             async with AsyncExitStack() as stack:
                 for sidecar in sidecars:
                     await stack.enter_async_context(sidecar(c, settings))

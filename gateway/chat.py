@@ -44,7 +44,9 @@ from gateway.detok import IncrementalDecoder
 from gateway.errors import BadRequest
 from gateway.openai_types import ChatCompletionRequest, NamedToolChoice
 from gateway.recorder import ChoiceOutcome, Match, Plan, Recorder
+from gateway.sampling import contract_of, record_of, sampling_params
 from gateway.segments import LiveSegment, chat_transcript, extends, repeats
+from store.run_config import ClientSampling, RunConfig
 from store.types import JSON, LastTurn, TurnStatus
 
 
@@ -89,20 +91,6 @@ def recorded_prefill(request: JSON) -> str:
     if isinstance(choice, dict):
         return _named_prefill(str(choice["function"]["name"]))
     return f"{TOOL_CALL_OPEN}\n" if choice == "required" else ""
-
-
-def sampling_params(body: Any, max_new: int | None, top_logprobs: int) -> SamplingParams:
-    return SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(0, body.top_k or 0),
-        seed=body.seed,
-        max_new_tokens=max_new,
-        min_new_tokens=body.min_tokens,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-        top_logprobs=top_logprobs,
-    )
 
 
 WHOLE_OUTPUT_INTERVAL = 16
@@ -188,14 +176,20 @@ class ChatService:
     # -- the request -------------------------------------------------------------------------
 
     async def create(
-        self, body: ChatCompletionRequest, session_id: str | None, *, retry: bool = False
+        self,
+        body: ChatCompletionRequest,
+        session_id: str | None,
+        *,
+        run: RunConfig | None,
+        retry: bool = False,
     ) -> dict[str, Any] | EventStream:
         """The response (JSON), or for `stream` the SSE events, once the first piece was
-        generated. `retry`: the client says this repeats a request whose reply it never got
-        (`gateway.segments`)."""
+        generated. `run`: the config of the session's run, which the request samples under
+        (`gateway.sampling`; None outside a session). `retry`: the client says this repeats a
+        request whose reply it never got (`gateway.segments`)."""
         inputs = chat_inputs(body)
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        sp = sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
+        sp = sampling_params(body, body.max_completion_tokens or body.max_tokens, top, run)
         prompt, plan = await self._prompt(inputs, session_id, body.n, retry)
         try:
             runs = [
@@ -217,7 +211,7 @@ class ChatService:
             if plan is not None and self.recorder is not None:
                 self.recorder.release(plan)
             raise
-        turn = _Turn(self, body, inputs, prompt, plan, runs, sp)
+        turn = _Turn(self, body, inputs, prompt, plan, runs, sp, contract_of(run))
         if body.stream:
             await turn.start_stream()
             return EventStream(turn.stream(), turn.close)
@@ -236,6 +230,7 @@ class _Turn:
         plan: Plan | None,
         runs: list[ChoiceRun],
         sampling: SamplingParams,
+        contract: ClientSampling,
     ) -> None:
         self.s = service
         self.body = body
@@ -244,6 +239,7 @@ class _Turn:
         self.plan = plan
         self.runs = runs
         self.sampling = sampling
+        self.contract = contract
         self.id = f"chatcmpl-{uuid.uuid4().hex[:29]}"
         self.created = int(time.time())
         self.committed = False
@@ -322,7 +318,7 @@ class _Turn:
             return
         self.committed = True
         outcomes = [self._outcome(r, c, aborted) for r, c in zip(self.runs, choices, strict=True)]
-        sampling = {f: getattr(self.sampling, f) for f in self.sampling.__dataclass_fields__} | {
+        sampling = record_of(self.sampling, self.contract) | {
             "stop": self.body.stop_strings(),
             "n": self.body.n,
         }

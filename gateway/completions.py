@@ -16,8 +16,8 @@ from typing import Any
 
 import anyio
 
-from engines.base import Engine
-from gateway.chat import choice_requests, sampling_params
+from engines.base import Engine, SamplingParams
+from gateway.chat import choice_requests
 from gateway.chat_render import ChatRenderer
 from gateway.choices import (
     ChoiceRun,
@@ -32,7 +32,9 @@ from gateway.detok import IncrementalDecoder
 from gateway.errors import BadRequest
 from gateway.openai_types import CompletionRequest
 from gateway.recorder import ChoiceOutcome, Match, Plan, Recorder
+from gateway.sampling import contract_of, record_of, sampling_params
 from gateway.segments import LiveSegment, extends_tokens, repeats_tokens
+from store.run_config import ClientSampling, RunConfig
 from store.types import TurnStatus
 
 COMPLETION_TRANSCRIPT = {"kind": "completion"}
@@ -84,11 +86,16 @@ class CompletionService:
         return await self.recorder.plan(session_id, n, choose, given)
 
     async def create(
-        self, body: CompletionRequest, session_id: str | None, *, retry: bool = False
+        self,
+        body: CompletionRequest,
+        session_id: str | None,
+        *,
+        run: RunConfig | None,
+        retry: bool = False,
     ) -> dict[str, Any] | EventStream:
         """As `ChatService.create`."""
         top = body.logprobs or 0
-        sp = sampling_params(body, body.max_tokens, top)
+        sp = sampling_params(body, body.max_tokens, top, run)
         groups: list[tuple[list[int], Plan | None, list[ChoiceRun]]] = []
         prompts = await asyncio.to_thread(prompts_of, body, self.renderer)
         try:
@@ -111,7 +118,7 @@ class CompletionService:
         except BaseException:
             self._release(groups)
             raise
-        turn = _CompletionTurn(self, body, groups, sp)
+        turn = _CompletionTurn(self, body, groups, sp, contract_of(run))
         if body.stream:
             await turn.start_stream()
             return EventStream(turn.stream(), turn.close)
@@ -129,12 +136,14 @@ class _CompletionTurn:
         service: CompletionService,
         body: CompletionRequest,
         groups: list[tuple[list[int], Plan | None, list[ChoiceRun]]],
-        sampling: Any,
+        sampling: SamplingParams,
+        contract: ClientSampling,
     ) -> None:
         self.s = service
         self.body = body
         self.groups = groups
         self.sampling = sampling
+        self.contract = contract
         self.id = f"cmpl-{uuid.uuid4().hex[:29]}"
         self.created = int(time.time())
         self.runs = [r for _, _, runs in groups for r in runs]
@@ -171,7 +180,7 @@ class _CompletionTurn:
             return
         self.done = True
         request = self.body.model_dump(mode="json", exclude_none=True)
-        sampling = {f: getattr(self.sampling, f) for f in self.sampling.__dataclass_fields__}
+        sampling = record_of(self.sampling, self.contract)
         for _, plan, runs in self.groups:
             if plan is None:
                 continue

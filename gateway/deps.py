@@ -21,6 +21,7 @@ from gateway.chat_render import ChatRenderer
 from gateway.completions import CompletionService
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
+from gateway.run_configs import RunConfigs
 from gateway.segments import SegmentTracker
 from gateway.settings import GatewaySettings
 from store import Store
@@ -29,11 +30,22 @@ RunConfigCheck = Callable[[dict[str, Any]], None]
 """Validates a run's config (`POST /runs {"config": ...}`); raises ValueError with a message that
 names the field (`config.algo.eps_low: ...`), which becomes the 400's message. The trainer's own
 check is passed in by whoever composes the gateway with a trainer (`rlgateway.app`); the gateway
-alone accepts any JSON object."""
+alone checks only the run-owned fields it reads itself (`check_run_fields`)."""
 
 
-def accept_any_config(config: dict[str, Any]) -> None:
-    """The check of a gateway composed without a trainer: every JSON object is a config."""
+def check_run_fields(config: dict[str, Any]) -> None:
+    """The check of a gateway composed without a trainer: the run-owned fields the gateway reads
+    (`store.run_config.RunConfig`) must be valid; other keys are the trainer's business."""
+    from pydantic import ValidationError
+
+    from store.run_config import run_config_of
+
+    try:
+        run_config_of(config)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ValueError(f"config.{where}: {first['msg']} (got {first.get('input')!r})") from None
 
 
 @dataclass(slots=True)
@@ -57,6 +69,7 @@ class Gateway:
     completions: CompletionService
     admission: Admission
     sessions: SessionDirectory
+    run_configs: RunConfigs
     metrics: GatewayMetrics
     check_run_config: RunConfigCheck
 
@@ -73,7 +86,7 @@ def build_gateway(
     settings: GatewaySettings,
     c: Components,
     metrics: GatewayMetrics | None = None,
-    check_run_config: RunConfigCheck = accept_any_config,
+    check_run_config: RunConfigCheck = check_run_fields,
 ) -> Gateway:
     metrics = metrics or GatewayMetrics()
     renderer = ChatRenderer(c.tokenizer, c.eos_token_ids)
@@ -87,6 +100,7 @@ def build_gateway(
         completions=CompletionService(c.engine, renderer, recorder, c.model_name),
         admission=Admission(c.store),
         sessions=SessionDirectory(c.store),
+        run_configs=RunConfigs(c.store),
         metrics=metrics,
         check_run_config=check_run_config,
     )

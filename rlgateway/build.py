@@ -38,7 +38,7 @@ async def build_trainer(
     algo = cfg.algorithm_config()
     backend = await asyncio.to_thread(build_backend, cfg.backend_config(str(model_dir)))
     reference = None
-    if algo.kl_coef > 0:
+    if algo.needs_reference:
         reference = await asyncio.to_thread(build_backend, cfg.backend_config(str(model_dir)))
     critic = None
     if algo.use_critic:

@@ -2,8 +2,10 @@
 process.
 
 It claims trajectories from the same store, trains with the FSDP backend (one process), and
-publishes each new policy straight into the local engine; agents keep generating meanwhile, and
-tokens sampled after a swap carry the new version.
+publishes each new policy straight into the local engine (recorded in the store as the newest
+published policy, without a directory); agents keep generating meanwhile, and tokens sampled
+after a swap carry the new version. `serve --train run=ID` merges its config with the run's
+first (`rlgateway.run_merge`, in `rlgateway serve`); without a run it creates one with its config.
 """
 
 from __future__ import annotations
@@ -12,16 +14,42 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.deps import Components
 from gateway.settings import GatewaySettings
 from rlgateway.build import build_trainer, model_dir_of
+from rlgateway.run_merge import stored_form
+from store import Store
 from trainer.config import TrainConfig
 from trainer.loop import Trainer
-from trainer.publish import LocalPublisher
+from trainer.publish import LocalPublisher, WeightPublisher
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
+
+
+class RecordingPublisher:
+    """A publisher that records each version it makes the engine serve as the newest published
+    policy, with no directory (`Store.record_policy`): in-process weights cannot be loaded
+    again by a restarted gateway, which says so and serves its model until the trainer
+    resumes."""
+
+    def __init__(self, inner: WeightPublisher, store: Store) -> None:
+        self.inner = inner
+        self.store = store
+
+    async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+        before = await self.inner.served()
+        served = await self.inner.publish(state_dict, version)
+        if served != before:
+            await self.store.record_policy(served, None)
+        return served
+
+    async def served(self) -> int:
+        return await self.inner.served()
 
 
 class EmbeddedTrainer:
@@ -42,9 +70,7 @@ class EmbeddedTrainer:
         """Start training `cfg.run` (a new run when empty); `report` receives each step's
         metrics (default: a line on stdout)."""
         if not cfg.run:
-            run = await c.store.create_run(
-                "embedded", cfg.model_dump(mode="json", exclude={"run", "database_url"})
-            )
+            run = await c.store.create_run("embedded", stored_form(cfg))
             cfg = cfg.model_copy(update={"run": run.id})
             key = await c.store.new_run_key(run.id)
             print(
@@ -52,9 +78,10 @@ class EmbeddedTrainer:
                 f"the run's agent key: {key})"
             )
         model_dir = model_dir_of(cfg, settings.model)
-        trainer = await build_trainer(
-            cfg, c.store, LocalPublisher(c.engine), model_dir, report=report
-        )
+        publisher = RecordingPublisher(LocalPublisher(c.engine), c.store)
+        # resumed (its checkpoint's version published) before this returns: the sidecar of
+        # `serve --train` is entered in the gateway's startup, before any session is admitted
+        trainer = await build_trainer(cfg, c.store, publisher, model_dir, report=report)
         stop = asyncio.Event()
         task = asyncio.create_task(trainer.run(stop), name="rlgateway-trainer")
         task.add_done_callback(_log_failure)

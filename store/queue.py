@@ -196,3 +196,49 @@ async def run_counts(db: Database, run_id: str) -> tuple[int, int]:
             )
         )
     return int(running or 0), int(accepted or 0)
+
+
+async def renew(db: Database, session_ids: list[str], *, owner: str, lease_seconds: float) -> int:
+    """Extend the lease of the sessions `owner` still holds by `lease_seconds` from now (a
+    trainer whose step outlasts its lease renews it while the step runs). Returns how many it
+    still held; sessions it lost are left as they are."""
+    ids = sorted(set(session_ids))
+    if not ids:
+        return 0
+    if lease_seconds <= 0:
+        raise ValueError(f"lease_seconds must be > 0, got {lease_seconds}")
+    async with db.write() as s:
+        now = utcnow()
+        result = await s.execute(
+            update(SessionRow)
+            .where(
+                SessionRow.id.in_(ids),
+                SessionRow.train_state == TrainState.CLAIMED.value,
+                SessionRow.lease_owner == owner,
+                SessionRow.lease_expires_at > now,
+            )
+            .values(lease_expires_at=now + timedelta(seconds=lease_seconds))
+        )
+        return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+
+async def requeue_after(db: Database, run_id: str, *, step: int) -> int:
+    """Recovery after a crash: the run's sessions consumed by a step after `step` (the newest
+    checkpoint's) go back to the queue, because the weights that trained them were lost with the
+    trainer. Sessions dropped on purpose (step -1) stay settled. Returns how many went back."""
+    async with db.write() as s:
+        result = await s.execute(
+            update(SessionRow)
+            .where(
+                SessionRow.run_id == run_id,
+                SessionRow.train_state == TrainState.CONSUMED.value,
+                SessionRow.consumed_step > step,
+            )
+            .values(
+                train_state=TrainState.PENDING.value,
+                consumed_step=None,
+                lease_owner=None,
+                lease_expires_at=None,
+            )
+        )
+        return int(result.rowcount or 0)  # type: ignore[attr-defined]

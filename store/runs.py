@@ -1,4 +1,5 @@
-"""Run management: listing with counts, status changes, agent keys, deletion with all data.
+"""Run management: listing with counts, status and config changes, agent keys, deletion with all
+data.
 
 A run's agent key (`rlr-...`) is returned once and stored as its sha256, like session keys.
 Deleting a run is one statement inside one transaction: its sessions, segments, completions,
@@ -16,7 +17,7 @@ from store.db import Database
 from store.errors import NotFoundError
 from store.sessions import hash_key, run_from_row
 from store.tables import RewardRow, RunRow, SessionRow, TrainStepRow
-from store.types import Run, RunStatus, RunSummary, TrainState
+from store.types import JSON, Run, RunStatus, RunSummary, TrainState
 
 RUN_KEY_PREFIX = "rlr-"
 
@@ -81,6 +82,16 @@ async def set_status(db: Database, run_id: str, status: RunStatus) -> Run:
     """Set the run's status (any transition: the API refuses to restart a stopped run)."""
     async with db.write() as s:
         await s.execute(update(RunRow).where(RunRow.id == run_id).values(status=status.value))
+        row = await s.get(RunRow, run_id)
+        if row is None:
+            raise run_not_found(run_id)
+        return run_from_row(row)
+
+
+async def set_config(db: Database, run_id: str, config: JSON) -> Run:
+    """Replace the run's stored config (the caller validated it, as `POST /runs` does)."""
+    async with db.write() as s:
+        await s.execute(update(RunRow).where(RunRow.id == run_id).values(config=config))
         row = await s.get(RunRow, run_id)
         if row is None:
             raise run_not_found(run_id)

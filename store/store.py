@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Self
 
-from store import browse, migrate, queue, rewards, runs, sessions, steps, turns
+from store import browse, migrate, policy, queue, rewards, runs, sessions, steps, turns
 from store.db import Database, redact
 from store.errors import StoreError
 from store.group_commit import GroupCommitter
@@ -17,6 +17,7 @@ from store.types import (
     JSON,
     CompletionRecord,
     NewSession,
+    PublishedPolicy,
     Run,
     RunStatus,
     RunSummary,
@@ -93,6 +94,11 @@ class Store:
         """Set what the trainer obeys (active, paused, stopped). NotFoundError if unknown."""
         return await runs.set_status(self._db, run_id, status)
 
+    async def set_run_config(self, run_id: str, config: JSON) -> Run:
+        """Replace the run's stored config (what the gateway's admission and sampling read).
+        The caller validates it first, as `POST /runs` does. NotFoundError if unknown."""
+        return await runs.set_config(self._db, run_id, config)
+
     async def new_run_key(self, run_id: str) -> str:
         """A new agent key `rlr-...` for the run (returned once, stored as its sha256); any
         earlier key of the run stops working. NotFoundError if unknown."""
@@ -133,6 +139,17 @@ class Store:
     async def latest_steps(self, run_ids: list[str]) -> dict[str, TrainStep]:
         """The newest step of each run that has one."""
         return await steps.latest_steps(self._db, run_ids)
+
+    # published policies
+
+    async def record_policy(self, version: int, path: str | None) -> PublishedPolicy:
+        """Record that the gateway's engine now serves `version`, loaded from the model
+        directory `path` (None: weights handed over in process)."""
+        return await policy.record_policy(self._db, version, path)
+
+    async def latest_policy(self) -> PublishedPolicy | None:
+        """The policy recorded last (what a restarted gateway serves again), or None."""
+        return await policy.latest_policy(self._db)
 
     # sessions
 
@@ -268,6 +285,16 @@ class Store:
         """Crash recovery: mark these sessions consumed at `step` whatever their lease (unless
         already consumed); returns how many changed."""
         return await queue.settle_consumed(self._db, session_ids, step=step)
+
+    async def renew(self, session_ids: list[str], *, owner: str, lease_seconds: float) -> int:
+        """Extend `owner`'s lease of these sessions to `lease_seconds` from now; returns how many
+        it still held."""
+        return await queue.renew(self._db, session_ids, owner=owner, lease_seconds=lease_seconds)
+
+    async def requeue_after(self, run_id: str, *, step: int) -> int:
+        """Crash recovery: sessions of the run consumed after checkpoint `step` go back to the
+        queue; returns how many."""
+        return await queue.requeue_after(self._db, run_id, step=step)
 
     async def run_counts(self, run_id: str) -> tuple[int, int]:
         """(running, accepted) trajectories of the run, for staleness admission: active

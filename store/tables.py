@@ -15,6 +15,8 @@
 - `runs.status` (active, paused, stopped) is what the operator set and the trainer obeys;
   `runs.key_hash` is the sha256 of the run's agent key. `train_steps` holds one row per
   trainer step (its metrics and checkpoint): the run's training time series.
+- `policy_versions` holds every policy loaded into the gateway's engine (version, the directory
+  it came from or NULL for in-process weights), so a restarted gateway serves the newest one.
 """
 
 from __future__ import annotations
@@ -181,4 +183,16 @@ class TrainStepRow(Base):
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
     checkpoint: Mapped[str | None] = mapped_column(String(1000))
     """Where the step's checkpoint was saved (a path on the trainer's machine)."""
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class PolicyVersionRow(Base):
+    __tablename__ = "policy_versions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    """Insertion order: the newest row is the policy served last (versions can repeat, when a
+    restarted trainer publishes a version again)."""
+    version: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str | None] = mapped_column(String(4000))
+    """The weights' model directory on the gateway's machine; NULL for in-process weights."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)

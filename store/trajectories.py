@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from store.arrays import decode_f32, decode_i32
 from store.sessions import info_from_row
 from store.tables import CompletionRow, RewardRow, SegmentRow, SessionRow
-from store.types import Reward, Segment, SessionDetail, SessionInfo, Trajectory, TurnStatus
+from store.types import JSON, Reward, Segment, SessionDetail, SessionInfo, Trajectory, TurnStatus
 
 
 def check_gamma(gamma: float) -> None:
@@ -99,6 +99,7 @@ class _SegmentBuilder:
         self.versions: list[int] = []
         self.completion_ids: list[str] = []
         self.turn_spans: list[tuple[int, int]] = []
+        self.turn_sampling: list[JSON] = []
         self.shown_end = 0
         """Where the last shown turn ends (a left-out turn after it is cut off)."""
 
@@ -121,6 +122,7 @@ class _SegmentBuilder:
         self.versions += decode_i32(c.versions)
         self.completion_ids.append(c.id)
         self.turn_spans.append((start, len(self.tokens)))
+        self.turn_sampling.append(dict(c.sampling))
         self.shown_end = len(self.tokens)
 
     def build(self) -> Segment:
@@ -137,6 +139,7 @@ class _SegmentBuilder:
             versions=self.versions[:end],
             completion_ids=self.completion_ids,
             turn_spans=self.turn_spans,
+            turn_sampling=self.turn_sampling,
         )
 
 

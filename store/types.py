@@ -147,6 +147,10 @@ class Segment:
     completion_ids: list[str]
     turn_spans: list[tuple[int, int]]
     """Per completion, the half-open [start, end) range of its sampled tokens in `tokens`."""
+    turn_sampling: list[JSON] = field(default_factory=list)
+    """Per completion (aligned with `completion_ids`), the settings it was sampled with, as
+    recorded (`CompletionRecord.sampling`: temperature, top_p, top_k, min_new_tokens, ... and the
+    `contract`, see `store.run_config`); empty for a segment built without them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,3 +255,14 @@ class SessionSummary:
     turns: int
     reward: float | None
     """The sum of its rewards; None without any."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedPolicy:
+    """A policy version loaded into the gateway's engine, as recorded when it was loaded."""
+
+    version: int
+    path: str | None
+    """The model directory its weights were loaded from (on the gateway's machine); None for
+    weights handed over in process (`serve --train`), which no directory holds."""
+    created_at: datetime

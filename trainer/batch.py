@@ -60,6 +60,9 @@ class TrainSequence:
     if a critic is trained; 0 where the mask is 0."""
     returns: list[float] | None = None
     """GAE return (advantage + old value) of token t, the critic's target; 0 where the mask is 0."""
+    temperatures: list[float] | None = None
+    """The sampling temperature of token t: its logprobs are `log_softmax(logits / T_t)` (the
+    turn's own temperature, see `trainer.sequences`); None: the caller's one temperature."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -73,6 +76,8 @@ class TrainSequence:
             raise ValueError("loss_mask must hold only 0 and 1")
         if self.loss_mask[0]:
             raise ValueError("loss_mask[0] must be 0: the first token has no logprob to train")
+        if self.temperatures is not None and any(not t > 0 for t in self.temperatures):
+            raise ValueError("temperatures must be positive")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -117,6 +122,9 @@ class MicroBatch:
     returns_1T: torch.Tensor | None
     """float32 return of the target (the critic's regression target), when every packed
     sequence has returns."""
+    temperature_1T: torch.Tensor | None
+    """float32 sampling temperature of the target, when every packed sequence has temperatures
+    (1 at each sequence's last position, which predicts nothing)."""
     seq_lens: tuple[int, ...]
     """Length of each packed sequence, in row order."""
     seq_ids: tuple[int, ...]
@@ -165,6 +173,23 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     return bins
 
 
+def split_minibatches(lengths: Sequence[int], n: int) -> list[list[int]]:
+    """The PPO mini-batches of a batch of sequences of these `lengths`: min(n, len) groups of
+    indices, balanced by tokens (longest first, ties by index, each into the group with the fewest
+    tokens so far, ties to the lowest group), each in ascending index order. Deterministic, so
+    every rank splits the same way."""
+    if n < 1:
+        raise ValueError(f"n must be positive, got {n}")
+    k = min(n, len(lengths))
+    groups: list[list[int]] = [[] for _ in range(k)]
+    load = [0] * k
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        g = min(range(k), key=lambda j: (load[j], j))
+        groups[g].append(i)
+        load[g] += lengths[i]
+    return [sorted(g) for g in groups]
+
+
 def pack(seqs: Sequence[TrainSequence], token_budget: int) -> list[MicroBatch]:
     """Packs `seqs` into micro-batches of at most `token_budget` tokens (a longer sequence is
     alone in its own), following `plan_micro_batches`."""
@@ -185,11 +210,11 @@ def _pack_row(seqs: Sequence[TrainSequence], ids: Sequence[int]) -> MicroBatch:
     }
     optional = {
         name: [getattr(s, name) for s in chosen]
-        for name in ("ref_logprobs", "prox_logprobs", "values", "returns")
+        for name in ("ref_logprobs", "prox_logprobs", "values", "returns", "temperatures")
     }
     shifted: dict[str, list[float | int] | None] = {
         name: (
-            [x for v in per_seq for x in _shifted(v, 0.0)]
+            [x for v in per_seq for x in _shifted(v, 1.0 if name == "temperatures" else 0.0)]
             if all(v is not None for v in per_seq)
             else None
         )
@@ -225,6 +250,7 @@ def _pack_row(seqs: Sequence[TrainSequence], ids: Sequence[int]) -> MicroBatch:
         prox_logp_1T=maybe_row("prox_logprobs"),
         old_values_1T=maybe_row("values"),
         returns_1T=maybe_row("returns"),
+        temperature_1T=maybe_row("temperatures"),
         seq_lens=tuple(len(s) for s in chosen),
         seq_ids=tuple(ids),
     )
@@ -242,8 +268,24 @@ def unpack_token_values(values_1T: torch.Tensor, mb: MicroBatch) -> list[list[fl
     return out
 
 
+def _per_position_temperature(
+    temperature: float | torch.Tensor, n: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[n] temperatures from one number or a [1, n] row; raises unless all are positive."""
+    if isinstance(temperature, torch.Tensor):
+        temp_T = temperature.reshape(-1).to(dtype=dtype, device=device)
+        if temp_T.shape[0] != n:
+            raise ValueError(f"{temp_T.shape[0]} temperatures for {n} positions")
+        if not bool((temp_T > 0).all()):
+            raise ValueError("temperatures must be positive")
+        return temp_T
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    return torch.full((n,), float(temperature), dtype=dtype, device=device)
+
+
 class _TokenLogprobs(torch.autograd.Function):
-    """log_softmax(logits / temperature) at the targets, a chunk of positions at a time.
+    """log_softmax(logits / T) at the targets (T per position), a chunk of positions at a time.
 
     Neither pass materialises a float32 copy of the whole [T, V] logits: forward keeps only the
     [T] logsumexp, and backward recomputes the softmax chunk by chunk.
@@ -254,19 +296,18 @@ class _TokenLogprobs(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx,
         logits_TV: torch.Tensor,
         targets_T: torch.Tensor,
-        temperature: float,
+        temp_T: torch.Tensor,
         chunk: int,
     ) -> torch.Tensor:
-        dtype = torch.promote_types(logits_TV.dtype, torch.float32)
+        dtype = temp_T.dtype
         lse_T = torch.empty(logits_TV.shape[0], dtype=dtype, device=logits_TV.device)
         logp_T = torch.empty_like(lse_T)
         for s in range(0, logits_TV.shape[0], chunk):
-            scaled = logits_TV[s : s + chunk].to(dtype) / temperature
+            scaled = logits_TV[s : s + chunk].to(dtype) / temp_T[s : s + chunk, None]
             lse_T[s : s + chunk] = torch.logsumexp(scaled, dim=-1)
             picked = scaled.gather(-1, targets_T[s : s + chunk, None]).squeeze(-1)
             logp_T[s : s + chunk] = picked - lse_T[s : s + chunk]
-        ctx.save_for_backward(logits_TV, targets_T, lse_T)
-        ctx.temperature = temperature  # type: ignore[attr-defined]
+        ctx.save_for_backward(logits_TV, targets_T, lse_T, temp_T)
         ctx.chunk = chunk  # type: ignore[attr-defined]
         return logp_T
 
@@ -274,36 +315,93 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_T: torch.Tensor
     ) -> tuple[torch.Tensor, None, None, None]:
-        logits_TV, targets_T, lse_T = ctx.saved_tensors  # type: ignore[attr-defined]
-        temperature: float = ctx.temperature  # type: ignore[attr-defined]
+        logits_TV, targets_T, lse_T, temp_T = ctx.saved_tensors  # type: ignore[attr-defined]
         chunk: int = ctx.chunk  # type: ignore[attr-defined]
         grad_TV = torch.empty_like(logits_TV)
         for s in range(0, logits_TV.shape[0], chunk):
             g_T = grad_T[s : s + chunk].to(lse_T.dtype)
+            t_T1 = temp_T[s : s + chunk, None]
             probs = torch.exp(
-                logits_TV[s : s + chunk].to(lse_T.dtype) / temperature - lse_T[s : s + chunk, None]
+                logits_TV[s : s + chunk].to(lse_T.dtype) / t_T1 - lse_T[s : s + chunk, None]
             )
             # d logp / d logits = (onehot(target) - softmax) / temperature
             g_TV = -probs * g_T[:, None]
             g_TV.scatter_add_(-1, targets_T[s : s + chunk, None], g_T[:, None])
-            grad_TV[s : s + chunk] = g_TV / temperature
+            grad_TV[s : s + chunk] = g_TV / t_T1
         return grad_TV, None, None, None
 
 
 def token_logprobs(
-    logits_1TV: torch.Tensor, targets_1T: torch.Tensor, temperature: float = 1.0, chunk: int = 1024
+    logits_1TV: torch.Tensor,
+    targets_1T: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    chunk: int = 1024,
 ) -> torch.Tensor:
     """`log_softmax(logits / temperature)` gathered at `targets`, shape [1, T], computed and
-    returned in float32 (float64 for float64 logits).
+    returned in float32 (float64 for float64 logits). `temperature` is one number or a [1, T]
+    row (a `MicroBatch.temperature_1T`: each target at the temperature that sampled it).
 
     Differentiable, and memory-light for large vocabularies (see `_TokenLogprobs`). With the
     shifted targets of a `MicroBatch`, entry i is the logprob of the token at i + 1.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
     b, t, v = logits_1TV.shape
+    dtype = torch.promote_types(logits_1TV.dtype, torch.float32)
+    temp_T = _per_position_temperature(temperature, b * t, dtype, logits_1TV.device)
     logp_T = _TokenLogprobs.apply(  # type: ignore[no-untyped-call]
-        logits_1TV.reshape(b * t, v), targets_1T.reshape(b * t), temperature, chunk
+        logits_1TV.reshape(b * t, v), targets_1T.reshape(b * t), temp_T, chunk
     )
     assert isinstance(logp_T, torch.Tensor)
     return logp_T.reshape(b, t)
+
+
+class _TokenEntropy(torch.autograd.Function):
+    """Entropy of softmax(logits / T) per position, chunked like `_TokenLogprobs`: forward keeps
+    the [T] entropies, backward recomputes each chunk's softmax. With z = logits / T and
+    p = softmax(z): dH/dz_j = -p_j (log p_j + H), and dH/dlogits = dH/dz / T."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        logits_TV: torch.Tensor,
+        temp_T: torch.Tensor,
+        chunk: int,
+    ) -> torch.Tensor:
+        dtype = temp_T.dtype
+        h_T = torch.empty(logits_TV.shape[0], dtype=dtype, device=logits_TV.device)
+        for s in range(0, logits_TV.shape[0], chunk):
+            logp = torch.log_softmax(
+                logits_TV[s : s + chunk].to(dtype) / temp_T[s : s + chunk, None], dim=-1
+            )
+            h_T[s : s + chunk] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(logits_TV, temp_T, h_T)
+        ctx.chunk = chunk  # type: ignore[attr-defined]
+        return h_T
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_T: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None]:
+        logits_TV, temp_T, h_T = ctx.saved_tensors  # type: ignore[attr-defined]
+        chunk: int = ctx.chunk  # type: ignore[attr-defined]
+        grad_TV = torch.empty_like(logits_TV)
+        for s in range(0, logits_TV.shape[0], chunk):
+            t_T1 = temp_T[s : s + chunk, None]
+            logp = torch.log_softmax(logits_TV[s : s + chunk].to(h_T.dtype) / t_T1, dim=-1)
+            g_T1 = grad_T[s : s + chunk].to(h_T.dtype)[:, None]
+            dz = -logp.exp() * (logp + h_T[s : s + chunk, None])
+            grad_TV[s : s + chunk] = g_T1 * dz / t_T1
+        return grad_TV, None, None
+
+
+def token_entropy(
+    logits_1TV: torch.Tensor, temperature: float | torch.Tensor = 1.0, chunk: int = 1024
+) -> torch.Tensor:
+    """Entropy of the sampling distribution `softmax(logits / temperature)` at every position,
+    [1, T], in float32 (float64 for float64 logits); differentiable and memory-light like
+    `token_logprobs`. Position i is the distribution the token at i + 1 was drawn from."""
+    b, t, v = logits_1TV.shape
+    dtype = torch.promote_types(logits_1TV.dtype, torch.float32)
+    temp_T = _per_position_temperature(temperature, b * t, dtype, logits_1TV.device)
+    h_T = _TokenEntropy.apply(logits_1TV.reshape(b * t, v), temp_T, chunk)  # type: ignore[no-untyped-call]
+    assert isinstance(h_T, torch.Tensor)
+    return h_T.reshape(b, t)

@@ -1,15 +1,18 @@
 """Checkpoints that make training exactly-once across crashes.
 
-`checkpoint_dir/step-000007/` holds the backend's state (model, optimizer, schedule, step), the
-critic's in `critic/` when one is trained (PPO), and `rlgateway.json`: the step, the policy
-version it publishes (the trainer publishes step N's weights as version N), the base model
+`checkpoint_dir/step-000007/` holds the backend's state (model, optimizer, schedule, optimizer
+steps), the critic's in `critic/` when one is trained (PPO), and `rlgateway.json`: the training
+step, the policy version it publishes (step N's weights are version N unless a resume found the
+engines serving a newer version, see `trainer.loop.Trainer.resume`), the base model
 directory the run trained (whose config and tokenizer describe the weights; checkpoints written
 before it was recorded lack it), and the ids of the sessions that step trained. It is written to
 a `.tmp` directory and renamed, so a checkpoint exists whole or not at all. The order of a step
 is: train, save the checkpoint, mark its sessions consumed, publish. A trainer killed between
 saving and marking finds the ids in the newest checkpoint when it resumes and settles them as
 consumed: nothing is trained twice. Killed before saving, the step never happened: its sessions
-return to the queue when their lease expires and are trained later.
+return to the queue when their lease expires and are trained later. With `checkpoint_every` > 1
+the steps after the newest checkpoint are lost with the trainer: on resume their sessions go back
+to the queue (`Store.requeue_after`).
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ class CheckpointMeta:
     model: str | None = None
     """The base model directory the run trained, absolute; None in a checkpoint written before
     it was recorded. `save` records the backend's."""
+    version: int | None = None
+    """The policy version this checkpoint's weights are published as; None: the step (a run
+    whose trainer never resumed against a gateway that served a newer version)."""
 
     @property
-    def version(self) -> int:
+    def policy_version(self) -> int:
         """The policy version this checkpoint's weights are published as."""
-        return self.step
+        return self.step if self.version is None else self.version
 
 
 def _name(step: int) -> str:
@@ -60,6 +66,7 @@ def read_meta(path: Path) -> CheckpointMeta:
         list(data["consumed"]),
         list(data.get("dropped", [])),
         data.get("model"),
+        data.get("version"),
     )
 
 
@@ -102,7 +109,7 @@ def save(
             json.dumps(
                 {
                     "step": meta.step,
-                    "version": meta.version,
+                    "version": meta.policy_version,
                     "model": model,
                     "consumed": meta.consumed,
                     "dropped": meta.dropped,

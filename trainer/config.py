@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from store.run_config import RunConfig
 from trainer.backends.config import FSDPBackendConfig
 
 
@@ -68,8 +69,10 @@ class WandbConfig(BaseModel):
     """online, offline (writes under checkpoint_dir/wandb for a later `wandb sync`), disabled."""
 
 
-class TrainConfig(BaseModel):
-    """Everything a training run needs. Every field has a vetted default except `run`."""
+class TrainConfig(RunConfig):
+    """Everything a training run needs. Every field has a vetted default except `run`; the
+    run-owned fields (`store.run_config.RunConfig`: batch_size, eta, max_concurrent, discount,
+    temperature, client_sampling) are the run's, and `rlgateway train` checks them against it."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -85,33 +88,26 @@ class TrainConfig(BaseModel):
     """Overrides of the preset's knobs (see trainer.algorithms.AlgorithmConfig)."""
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
     """Optimizer, schedule, precision."""
-    batch_size: int = Field(8, ge=1)
-    """Trajectories (ended, rewarded sessions) per training step: AReaL's B."""
     group_size: int = Field(1, ge=1)
     """Sessions per GRPO group (sessions created with one group_id)."""
     partial_groups: Literal["wait", "drop", "use"] = "wait"
     """A group with fewer than group_size finished sessions: wait for the rest, drop it, or use
     what arrived."""
-    eta: int = Field(1, ge=0)
-    """Staleness bound: no token older than `eta` policy versions is trained; 0 is synchronous."""
-    max_concurrent: int | None = Field(None, ge=1)
-    """At most this many active sessions (the gateway answers 429 beyond it); None: no limit."""
     max_steps: int = Field(100, ge=1)
     """Training steps (policy versions) to run."""
-    temperature: float = Field(1.0, gt=0)
-    """The sampling temperature of the run's requests: logprobs are log_softmax(logits / T)."""
     token_budget: int = Field(1024, ge=16)
     """Tokens per packed micro-batch (gradient accumulation over micro-batches). With the default
     varlen attention (`optim.attention`) attention costs per sequence, not per row, so the budget
     mostly bounds activation memory; on CPU 512-1024 measured fastest (BENCHMARKS.md, Trainer:
     per-sequence attention). With sdpa's block-diagonal mask attention is quadratic in the row:
     keep it near the typical sequence length there. On GPUs raise it (e.g. 16384)."""
-    discount: float = Field(1.0, ge=0, le=1)
-    """Per-turn discount gamma of the returns."""
     max_tokens: int | None = Field(None, ge=1)
     """The run's max new tokens per turn (for DAPO's overlong shaping and Dr.GRPO's norm_len)."""
     checkpoint_dir: str = "checkpoints"
     """Where checkpoints go (one directory per step; resume picks the newest)."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Write a checkpoint every this many steps (and at the last). Steps after the newest
+    checkpoint are redone after a crash: their trajectories go back to the queue on resume."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk."""
     lease_seconds: float = Field(600.0, gt=0)

@@ -158,7 +158,7 @@ def export(ckpt: Path, out: Path, *, model: Path | None = None, force: bool = Fa
     meta = checkpoint.read_meta(ckpt)
     weights = read_weights(ckpt)
     check_fits(weights, base)
-    policy = PolicyFile(version=meta.version, step=meta.step, source=str(ckpt.resolve()))
+    policy = PolicyFile(version=meta.policy_version, step=meta.step, source=str(ckpt.resolve()))
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))

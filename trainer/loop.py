@@ -1,31 +1,42 @@
-"""The asynchronous training loop: claim, filter, advantages, loss, step, checkpoint, publish.
+"""The asynchronous training loop: claim, filter, advantages, mini-batch updates, checkpoint,
+publish.
 
-One step:
+One step (`_step`; the math is `update`, which touches neither the store nor the engines):
 1. claim at least `batch_size` finished, rewarded trajectories of the run (whole GRPO groups when
-   `partial_groups` is wait), under a lease;
+   `partial_groups` is wait), under a lease that is renewed while the step runs;
 2. drop (settle at step -1) those with a token older than `eta` versions, and uniform groups under
    dynamic sampling;
-3. build training sequences with token advantages; recompute proximal logprobs (decoupled PPO)
-   and reference logprobs (KL) with no grad;
-   with a critic (PPO), compute the critic's values of the batch, then GAE advantages and returns;
-4. one optimizer step over packed micro-batches (and one of the critic on the value loss);
-5. checkpoint (with the trained session ids), mark them consumed, publish weights as version
-   step + 1 to the engines.
+3. build training sequences (`trainer.sequences`: each token at the temperature that sampled it,
+   untrainable turns left out of the loss) with their turns' values against the group baseline;
+4. recompute proximal logprobs (decoupled PPO) and reference logprobs (a KL term) with no grad,
+   once per batch;
+5. token advantages: the KL penalty in the reward, then GAE with the critic's values (PPO) or
+   the reward-to-go, then batch normalisation;
+6. `ppo_epochs` passes over `ppo_n_minibatches` mini-batches, one optimizer step each (and one of
+   the critic), so from the second mini-batch on the policy has moved away from the proximal one
+   and the clip binds;
+7. every `checkpoint_every` steps a checkpoint (with the trained session ids); mark them consumed;
+   publish the weights as the next policy version.
 
-Generation never waits for training: agents keep running against the gateway, whose admission
-control keeps them within `eta` versions of the policy being trained.
+The algorithm declares what it needs (`AlgorithmConfig.needs_reference`, `needs_proximal`,
+`use_critic`, `entropy_mode`); the loop runs only that. Generation never waits for training:
+agents keep running against the gateway, whose admission control keeps them within `eta`
+versions of the policy being trained.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import math
 import statistics
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +46,36 @@ from trainer import checkpoint
 from trainer.algorithms.aggregation import loss_normalizer
 from trainer.algorithms.losses import explained_variance
 from trainer.backends.base import TrainBackend, ValueBackend
-from trainer.batch import TrainSequence
+from trainer.batch import TrainSequence, split_minibatches
 from trainer.config import TrainConfig
 from trainer.loss import make_loss_fn, make_value_loss_fn
 from trainer.publish import WeightPublisher
 from trainer.report import MetricsSink
-from trainer.sequences import build_sequences, with_gae
+from trainer.sequences import (
+    Built,
+    build_sequences,
+    kl_token_rewards,
+    with_advantages,
+    with_gae,
+)
 
 log = logging.getLogger(__name__)
 
 
 def _group_key(t: Trajectory) -> str:
     return t.session.group_id if t.session.group_id is not None else f"solo:{t.session.id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """What one step's math did (`Trainer.update`)."""
+
+    built: Built
+    sequences: list[TrainSequence]
+    """The trained sequences with their final advantages (and proximal/reference logprobs);
+    empty when every trajectory was filtered out (then nothing was trained)."""
+    stats: dict[str, float]
+    """Merged over the step's optimizer steps (`merge_update_stats`)."""
 
 
 class Trainer:
@@ -76,7 +105,12 @@ class Trainer:
         self.metrics_path = self.root / "metrics.jsonl"
         self.is_leader = _rank() == 0
         self.sink = MetricsSink(cfg, self.root, report or _print_report)
-        if self.algo.kl_coef > 0 and reference is None:
+        self.step = 0
+        """Training steps taken (each is `ppo_epochs` x mini-batches optimizer steps)."""
+        self.version = 0
+        """The policy version of the current weights: the newest this trainer published (or the
+        engines served when it started); the next step publishes `version + 1`."""
+        if self.algo.needs_reference and reference is None:
             raise ValueError("kl_coef > 0 needs a reference model: pass `reference`")
         if self.algo.use_critic and critic is None:
             raise ValueError(
@@ -87,28 +121,48 @@ class Trainer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def resume(self) -> int:
-        """Load the newest checkpoint (if any), settle its sessions as consumed, and publish its
-        weights so the engines serve the version training continues from. Returns the step."""
+        """Load the newest checkpoint (if any), settle its sessions as consumed and put those of
+        later, lost steps back in the queue, then bring the engines to this trainer's weights.
+
+        Against a live gateway: republishing the version the engines serve is a no-op; if they
+        serve a newer version (steps after the newest checkpoint were published, then lost), the
+        checkpoint's weights are published as the version after it, so versions only grow; a
+        trainer without a checkpoint continues the engines' numbering. Returns the step."""
         found = checkpoint.latest(self.root)
-        if found is None:
-            return self.backend.step
-        path, meta = found
-        await asyncio.to_thread(self.backend.load, path)
-        if self.critic is not None and self.algo.use_critic:
-            await asyncio.to_thread(checkpoint.load_critic, path, self.critic)
+        if found is not None:
+            path, meta = found
+            await asyncio.to_thread(self.backend.load, path)
+            if self.critic is not None and self.algo.use_critic:
+                await asyncio.to_thread(checkpoint.load_critic, path, self.critic)
+            self.step, self.version = meta.step, meta.policy_version
         if not self.is_leader:
-            return self.backend.step
-        await self.store.settle_consumed(meta.consumed, step=meta.step)
-        await self.store.settle_consumed(meta.dropped, step=-1)
+            return self.step
+        if found is not None:
+            _, meta = found
+            await self.store.settle_consumed(meta.consumed, step=meta.step)
+            await self.store.settle_consumed(meta.dropped, step=-1)
+            requeued = await self.store.requeue_after(self.cfg.run, step=meta.step)
+            if requeued:
+                log.info(
+                    "%d sessions trained after checkpoint %d go back to the queue",
+                    requeued,
+                    meta.step,
+                )
         if self.publisher is not None:
-            await self.publisher.publish(self.backend.full_state_dict(), self.backend.step)
-        log.info("resumed from %s at step %d", path, self.backend.step)
-        return self.backend.step
+            served = await self.publisher.served()
+            if found is None:
+                self.version = max(self.version, served)
+            elif served != self.version:
+                target = served + 1 if served > self.version else self.version
+                self.version = await self.publisher.publish(self.backend.full_state_dict(), target)
+        if found is not None:
+            log.info("resumed from %s at step %d, version %d", found[0], self.step, self.version)
+        return self.step
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Train until `max_steps` (or `stop` is set). Under torchrun every rank runs this: rank 0
         talks to the store and the engines, and hands each batch to the other ranks."""
-        while self.backend.step < self.cfg.max_steps:
+        while self.step < self.cfg.max_steps:
             if stop is not None and stop.is_set():
                 return
             batch = await self._collect(stop) if self.is_leader else None
@@ -160,7 +214,7 @@ class Trainer:
             return None
 
     def _split_stale(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], list[Trajectory]]:
-        oldest_ok = self.backend.step - self.cfg.eta
+        oldest_ok = self.version - self.cfg.eta
         fresh = [t for t in trajs if t.min_version < 0 or t.min_version >= oldest_ok]
         stale = [t for t in trajs if not (t.min_version < 0 or t.min_version >= oldest_ok)]
         return fresh, stale
@@ -188,72 +242,173 @@ class Trainer:
         return chosen, rest, dropped
 
     async def _step(self, batch: list[Trajectory]) -> None:
-        cfg, algo, backend = self.cfg, self.algo, self.backend
         t0 = time.perf_counter()
-        version = backend.step
-        built = build_sequences(batch, algo, max_tokens=cfg.max_tokens, discount=cfg.discount)
-        seqs = built.sequences
-        if not seqs:  # every trajectory was filtered out: nothing to train, no new version
-            if self.is_leader:
-                ids = [t.session.id for t in batch]
-                await self.store.mark_consumed(ids, owner=self.owner, step=-1)
-            return
-        critic = self.critic if algo.use_critic else None
-        critic_stats: dict[str, float] = {}
-        if critic is not None:
-            assert built.token_rewards is not None
-            values = await asyncio.to_thread(
-                critic.forward_values, seqs, token_budget=cfg.token_budget
-            )
-            seqs = with_gae(seqs, built.token_rewards, values, algo)
-            critic_stats["explained_variance"] = _explained_variance(seqs)
-        seqs = await self._with_side_logprobs(seqs)
-        n_tokens = sum(s.num_loss_tokens for s in seqs)
-        norm = loss_normalizer(algo.agg, num_tokens=n_tokens, num_seqs=len(seqs))
-        stats = await asyncio.to_thread(
-            backend.train_step,
-            seqs,
-            self.loss_fn,
+        ids = [t.session.id for t in batch]
+        async with self._leased(ids):
+            version = self.version
+            done = await self.update(batch)
+            if not done.sequences:  # every trajectory was filtered out: no new version
+                if self.is_leader:
+                    await self.store.mark_consumed(ids, owner=self.owner, step=-1)
+                return
+            await self._commit(done, version, t0)
+
+    async def update(self, batch: list[Trajectory]) -> Update:
+        """One step's math on `batch`, on every rank: sequences, proximal and reference
+        logprobs, advantages, then the mini-batch optimizer steps. Touches neither the store,
+        the checkpoints nor the engines."""
+        cfg = self.cfg
+        built = build_sequences(
+            batch,
+            self.algo,
+            max_tokens=cfg.max_tokens,
+            discount=cfg.discount,
             temperature=cfg.temperature,
-            token_budget=cfg.token_budget,
-            global_norm=norm,
         )
-        if critic is not None:
-            value_stats = await asyncio.to_thread(
-                critic.train_step,
+        if not built.sequences:
+            return Update(built, [], {})
+        seqs = await self._with_side_logprobs(built.sequences)
+        seqs, adv_stats = await self._advantages(built, seqs)
+        stats = await self._optimize(seqs)
+        return Update(built, seqs, adv_stats | stats)
+
+    async def _with_side_logprobs(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
+        """Proximal (the current weights) and reference logprobs, as the algorithm needs them."""
+        cfg, algo = self.cfg, self.algo
+        prox = ref = None
+        if algo.needs_proximal:
+            prox = await asyncio.to_thread(
+                self.backend.forward_logprobs, seqs, cfg.temperature, token_budget=cfg.token_budget
+            )
+        if algo.needs_reference:
+            assert self.reference is not None
+            ref = await asyncio.to_thread(
+                self.reference.forward_logprobs,
                 seqs,
-                self.value_loss_fn,
+                cfg.temperature,
+                token_budget=cfg.token_budget,
+            )
+        return [
+            dataclasses.replace(
+                s,
+                prox_logprobs=prox[i] if prox is not None else None,
+                ref_logprobs=ref[i] if ref is not None else None,
+            )
+            for i, s in enumerate(seqs)
+        ]
+
+    async def _advantages(
+        self, built: Built, seqs: list[TrainSequence]
+    ) -> tuple[list[TrainSequence], dict[str, float]]:
+        """KL in the reward, then GAE (critic) or the reward-to-go, then normalisation."""
+        algo, stats = self.algo, {}
+        kl = None
+        if algo.kl_in_reward:
+            ref = [s.ref_logprobs or [] for s in seqs]
+            kl, stats["kl_ref"] = kl_token_rewards(seqs, ref, algo)
+        if not algo.use_critic:
+            return with_advantages(seqs, algo, kl), stats
+        assert self.critic is not None
+        assert built.token_rewards is not None
+        values = await asyncio.to_thread(
+            self.critic.forward_values, seqs, token_budget=self.cfg.token_budget
+        )
+        seqs = with_gae(seqs, built.token_rewards, values, algo, kl)
+        stats["explained_variance"] = _explained_variance(seqs)
+        return seqs, stats
+
+    async def _optimize(self, seqs: list[TrainSequence]) -> dict[str, float]:
+        """`ppo_epochs` passes over the mini-batches, one optimizer step of the policy (and of
+        the critic) each; the LR schedule advances once, after the last."""
+        cfg, algo = self.cfg, self.algo
+        parts = split_minibatches([len(s) for s in seqs], algo.ppo_n_minibatches)
+        updates: list[tuple[int, dict[str, float]]] = []
+        total = algo.ppo_epochs * len(parts)
+        for k in range(total):
+            chosen = [seqs[i] for i in parts[k % len(parts)]]
+            n_tokens = sum(s.num_loss_tokens for s in chosen)
+            norm = loss_normalizer(algo.agg, num_tokens=n_tokens, num_seqs=len(chosen))
+            last = k == total - 1
+            stats = await asyncio.to_thread(
+                self.backend.train_step,
+                chosen,
+                self.loss_fn,
                 temperature=cfg.temperature,
                 token_budget=cfg.token_budget,
                 global_norm=norm,
+                entropy=algo.entropy_mode,
+                step_schedule=last,
             )
-            critic_stats |= {
-                "value_loss": value_stats.pop("loss"),
-                "critic_grad_norm": value_stats.pop("grad_norm"),
-                "critic_lr": value_stats.pop("lr"),
-                **value_stats,
-            }
-        step = backend.step
+            if self.critic is not None and algo.use_critic:
+                value = await asyncio.to_thread(
+                    self.critic.train_step,
+                    chosen,
+                    self.value_loss_fn,
+                    temperature=cfg.temperature,
+                    token_budget=cfg.token_budget,
+                    global_norm=norm,
+                    step_schedule=last,
+                )
+                stats |= {
+                    "value_loss": value.pop("loss"),
+                    "critic_grad_norm": value.pop("grad_norm"),
+                    "critic_lr": value.pop("lr"),
+                    **value,
+                }
+            updates.append((n_tokens, stats))
+        return merge_update_stats(updates) | {"minibatches": float(len(parts))}
+
+    @contextlib.asynccontextmanager
+    async def _leased(self, ids: list[str]) -> AsyncIterator[None]:
+        """Renew the lease of the step's sessions every third of `lease_seconds` while the step
+        runs (leader only), so a step longer than the lease keeps its claim."""
+        if not self.is_leader:
+            yield
+            return
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(self.cfg.lease_seconds / 3)
+                await self.store.renew(ids, owner=self.owner, lease_seconds=self.cfg.lease_seconds)
+
+        task = asyncio.create_task(renew(), name="rlgateway-lease")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _commit(self, done: Update, version: int, t0: float) -> None:
+        """Checkpoint (every `checkpoint_every` steps and at the last), mark the sessions
+        consumed, publish the next version, record the step."""
+        cfg, backend, built = self.cfg, self.backend, done.built
+        self.step += 1
+        step, new_version = self.step, self.version + 1
         used = [t.session.id for t in built.used]
         dropped = [t.session.id for t in built.dropped]
-        saved = await asyncio.to_thread(
-            checkpoint.save,
-            self.root,
-            backend,
-            checkpoint.CheckpointMeta(step, used, dropped),
-            keep=cfg.keep_checkpoints,
-            is_writer=self.is_leader,
-            critic=critic,
-        )
+        saved = None
+        if step % cfg.checkpoint_every == 0 or step >= cfg.max_steps:
+            saved = await asyncio.to_thread(
+                checkpoint.save,
+                self.root,
+                backend,
+                checkpoint.CheckpointMeta(step, used, dropped, version=new_version),
+                keep=cfg.keep_checkpoints,
+                is_writer=self.is_leader,
+                critic=self.critic if self.algo.use_critic else None,
+            )
         weights = backend.full_state_dict()  # a collective: every rank takes part
+        self.version = new_version
         if not self.is_leader:
             return
         await self.store.mark_consumed(used, owner=self.owner, step=step)
         if dropped:
             await self.store.mark_consumed(dropped, owner=self.owner, step=-1)
         if self.publisher is not None:
-            await self.publisher.publish(weights, step)
+            self.version = await self.publisher.publish(weights, new_version)
         elapsed = time.perf_counter() - t0
+        seqs = done.sequences
+        n_tokens = sum(s.num_loss_tokens for s in seqs)
         staleness = [
             version - v for s in seqs for v, m in zip(s.versions, s.loss_mask, strict=True) if m
         ]
@@ -261,11 +416,13 @@ class Trainer:
         row = self._emit(
             {
                 "step": step,
-                "version": step,
+                "version": self.version,
                 "trajectories": len(built.used),
                 "dropped": len(built.dropped),
                 # turns the agents never received whole (aborted): recorded, not trained
                 "aborted_turns": built.aborted_turns,
+                # turns sampled where the trainer cannot reproduce the distribution: context only
+                "untrainable_turns": built.untrainable_turns,
                 "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
                 "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
                 "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
@@ -273,38 +430,16 @@ class Trainer:
                 "tokens": n_tokens,
                 "tokens_per_s": n_tokens / elapsed if elapsed > 0 else 0.0,
                 "step_seconds": elapsed,
-                **stats,
-                **critic_stats,
+                **done.stats,
             }
         )
         await self.store.record_step(
-            cfg.run, step, version=step, metrics=row, checkpoint=str(saved.resolve())
+            cfg.run,
+            step,
+            version=self.version,
+            metrics=row,
+            checkpoint=str(saved.resolve()) if saved is not None else None,
         )
-
-    async def _with_side_logprobs(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
-        cfg, algo = self.cfg, self.algo
-        prox = ref = None
-        if algo.decoupled:
-            prox = await asyncio.to_thread(
-                self.backend.forward_logprobs, seqs, cfg.temperature, token_budget=cfg.token_budget
-            )
-        if algo.kl_coef > 0 and self.reference is not None:
-            ref = await asyncio.to_thread(
-                self.reference.forward_logprobs,
-                seqs,
-                cfg.temperature,
-                token_budget=cfg.token_budget,
-            )
-        out = []
-        for i, s in enumerate(seqs):
-            out.append(
-                dataclasses.replace(
-                    s,
-                    prox_logprobs=prox[i] if prox is not None else None,
-                    ref_logprobs=ref[i] if ref is not None else None,
-                )
-            )
-        return out
 
     # -- reporting ---------------------------------------------------------------------------
 
@@ -315,6 +450,37 @@ class Trainer:
     def close(self) -> None:
         """Flush and close the metric writers (TensorBoard, W&B)."""
         self.sink.close()
+
+
+_MIN_KEYS = ("ratio_min", "imp_weight_min")
+_MAX_KEYS = ("ratio_max", "imp_weight_max")
+
+
+def merge_update_stats(updates: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """One step's stats from its optimizer steps' (weighted by trained tokens): minima and maxima
+    over all of them, `loss` and `grad_norm` their means (and `grad_norm_max`), `lr` the first
+    (the schedule advances once per step), every other stat the token-weighted mean."""
+    if not updates:
+        return {}
+    keys = {k for _, stats in updates for k in stats}
+    total = sum(n for n, _ in updates) or 1
+    out: dict[str, float] = {}
+    for key in sorted(keys):
+        values = [(n, stats[key]) for n, stats in updates if key in stats]
+        if key in _MIN_KEYS:
+            out[key] = min(v for _, v in values)
+        elif key in _MAX_KEYS:
+            out[key] = max(v for _, v in values)
+        elif key in ("loss", "grad_norm", "value_loss", "critic_grad_norm"):
+            out[key] = statistics.fmean(v for _, v in values)
+        elif key in ("lr", "critic_lr"):
+            out[key] = values[0][1]
+        else:
+            out[key] = sum(n * v for n, v in values) / total
+    norms = [stats["grad_norm"] for _, stats in updates if "grad_norm" in stats]
+    if norms:
+        out["grad_norm_max"] = max(norms) if all(math.isfinite(x) for x in norms) else math.inf
+    return out
 
 
 def _explained_variance(seqs: list[TrainSequence]) -> float:
@@ -354,6 +520,7 @@ def _print_report(row: dict[str, Any]) -> None:
     keys = (
         "reward_mean",
         "loss",
+        "entropy",
         "approx_kl",
         "value_loss",
         "explained_variance",

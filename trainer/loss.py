@@ -15,14 +15,27 @@ from trainer.batch import MicroBatch
 
 
 def make_loss_fn(algo: AlgorithmConfig) -> LossFn:
-    """PPO-family policy loss (decoupled, clip-higher, dual clip, token or sequence ratio) plus a
-    KL-to-reference term when `kl_coef > 0` and `kl_placement == "loss"`."""
-    kl_in_loss = algo.kl_coef > 0 and algo.kl_placement == "loss"
+    """PPO-family policy loss (decoupled, clip-higher, dual clip, token or sequence ratio), plus
+    `kl_coef * KL(current || reference)` when the KL is placed in the loss, minus
+    `entropy_coef * entropy` when an entropy bonus is set; every term aggregated by `algo.agg`.
+    Stats: the policy loss's, `entropy` (mean over trained tokens, whenever the backend computes
+    it), `kl_ref` with a KL loss term, and `neg_logp` (the mean -logp of the trained tokens)."""
+
+    def agg(x_1T: torch.Tensor, mb: MicroBatch, normalizer: float) -> torch.Tensor:
+        return aggregate(
+            x_1T,
+            mb.loss_mask_1T,
+            algo.agg,
+            norm_len=algo.norm_len,
+            normalizer=normalizer,
+            seq_index_BT=mb.seq_index_1T,
+        )
 
     def loss_fn(
-        logp_1T: torch.Tensor, mb: MicroBatch, normalizer: float
+        logp_1T: torch.Tensor, mb: MicroBatch, normalizer: float, entropy_1T: torch.Tensor | None
     ) -> tuple[torch.Tensor, Mapping[str, float]]:
         mask = mb.loss_mask_1T
+        n = mask.sum().clamp(min=1)
         if algo.decoupled:
             assert mb.prox_logp_1T is not None, "decoupled PPO needs proximal logprobs"
             old = mb.prox_logp_1T
@@ -45,21 +58,16 @@ def make_loss_fn(algo: AlgorithmConfig) -> LossFn:
             seq_index_BT=mb.seq_index_1T,
         )
         out = {k: float(v) for k, v in stats.items()}
-        if kl_in_loss:
+        if algo.kl_in_loss:
             assert mb.ref_logp_1T is not None, "a KL loss needs reference logprobs"
             kl_1T = kl_penalty(logp_1T, mb.ref_logp_1T, algo.kl_kind)
-            loss = loss + algo.kl_coef * aggregate(
-                kl_1T,
-                mask,
-                algo.agg,
-                norm_len=algo.norm_len,
-                normalizer=normalizer,
-                seq_index_BT=mb.seq_index_1T,
-            )
-            n = mask.sum().clamp(min=1)
+            loss = loss + algo.kl_coef * agg(kl_1T, mb, normalizer)
             out["kl_ref"] = float((kl_1T.detach() * mask).sum() / n)
-        # what the current policy assigns to the sampled tokens: the entropy proxy on CPU budgets
-        out["neg_logp"] = float(-(logp_1T.detach() * mask).sum() / mask.sum().clamp(min=1))
+        if entropy_1T is not None:
+            if algo.entropy_coef > 0:
+                loss = loss - algo.entropy_coef * agg(entropy_1T, mb, normalizer)
+            out["entropy"] = float((entropy_1T.detach() * mask).sum() / n)
+        out["neg_logp"] = float(-(logp_1T.detach() * mask).sum() / n)
         return loss, out
 
     return loss_fn
@@ -70,7 +78,7 @@ def make_value_loss_fn(algo: AlgorithmConfig) -> LossFn:
     against the GAE returns, aggregated like the policy loss (`algo.agg`, same normaliser)."""
 
     def loss_fn(
-        values_1T: torch.Tensor, mb: MicroBatch, normalizer: float
+        values_1T: torch.Tensor, mb: MicroBatch, normalizer: float, entropy_1T: torch.Tensor | None
     ) -> tuple[torch.Tensor, Mapping[str, float]]:
         missing = "the value loss needs old values and returns (trainer.sequences.with_gae)"
         assert mb.old_values_1T is not None, missing

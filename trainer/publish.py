@@ -20,7 +20,12 @@ from engines.base import Engine, WeightUpdate
 
 class WeightPublisher(Protocol):
     async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
-        """Make `version` the engines' policy; returns the version they now serve."""
+        """Make `version` the engines' policy; returns the version they now serve. Publishing
+        the version they already serve changes nothing (a restarted trainer's resume)."""
+        ...
+
+    async def served(self) -> int:
+        """The policy version the engines serve now."""
         ...
 
 
@@ -29,9 +34,14 @@ class LocalPublisher:
         self.engine = engine
 
     async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+        if version == self.engine.version():
+            return version
         return await self.engine.update_weights(
             WeightUpdate(state_dict=state_dict, version=version)
         )
+
+    async def served(self) -> int:
+        return self.engine.version()
 
 
 def save_weights(state_dict: dict[str, torch.Tensor], model_dir: Path, out: Path) -> None:
@@ -51,31 +61,70 @@ def save_weights(state_dict: dict[str, torch.Tensor], model_dir: Path, out: Path
 
 
 class DiskPublisher:
-    """Writes `dir/v{version}` and asks the gateway at `gateway_url` to load it."""
+    """Writes `dir/v{version}` and asks the gateway at `gateway_url` to load it. A gateway that
+    is down or restarting (connection refused, 502/503/504) is retried with backoff for up to
+    `retry_seconds`, so a trainer rides out a gateway restart at the same address."""
 
     def __init__(
-        self, directory: Path, model_dir: Path, gateway_url: str, admin_token: str, keep: int = 2
+        self,
+        directory: Path,
+        model_dir: Path,
+        gateway_url: str,
+        admin_token: str,
+        keep: int = 2,
+        retry_seconds: float = 120.0,
     ) -> None:
         self.directory = directory
         self.model_dir = model_dir
         self.gateway_url = gateway_url.rstrip("/")
         self.admin_token = admin_token
         self.keep = keep
+        self.retry_seconds = retry_seconds
+
+    async def _call(
+        self, method: str, path: str, json: dict[str, object] | None = None
+    ) -> dict[str, object]:
+        import asyncio
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.5
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        while True:
+            try:
+                async with httpx.AsyncClient(timeout=600) as http:
+                    r = await http.request(
+                        method, f"{self.gateway_url}{path}", headers=headers, json=json
+                    )
+                if r.status_code not in (502, 503, 504):
+                    r.raise_for_status()
+                    body: dict[str, object] = r.json()
+                    return body
+                failure = f"{r.status_code} {r.text[:200]}"
+            except httpx.TransportError as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() + delay > deadline:
+                raise ConnectionError(
+                    f"the gateway at {self.gateway_url} did not answer {method} {path} within "
+                    f"{self.retry_seconds:.0f} s (last: {failure})"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
     async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
         import asyncio
 
-        import httpx
-
         out = self.directory / f"v{version}"
         await asyncio.to_thread(save_weights, state_dict, self.model_dir, out)
-        async with httpx.AsyncClient(timeout=600) as http:
-            r = await http.post(
-                f"{self.gateway_url}/admin/weights",
-                json={"path": str(out.resolve()), "version": version},
-                headers={"Authorization": f"Bearer {self.admin_token}"},
-            )
-        r.raise_for_status()
+        body = await self._call(
+            "POST", "/admin/weights", json={"path": str(out.resolve()), "version": version}
+        )
         for old in sorted(self.directory.glob("v*"), key=lambda p: int(p.name[1:]))[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-        return int(r.json()["version"])
+        return int(str(body["version"]))
+
+    async def served(self) -> int:
+        body = await self._call("GET", "/admin/version")
+        return int(str(body["version"]))

@@ -49,7 +49,7 @@ def sft_sequences(examples: Sequence[SFTExample]) -> list[TrainSequence]:
 
 
 def sft_loss_fn(
-    logp_1T: torch.Tensor, mb: MicroBatch, normalizer: float
+    logp_1T: torch.Tensor, mb: MicroBatch, normalizer: float, entropy_1T: torch.Tensor | None
 ) -> tuple[torch.Tensor, Mapping[str, float]]:
     """Summed NLL of the micro-batch's completion tokens over `normalizer`."""
     mask = mb.loss_mask_1T

@@ -10,6 +10,8 @@ from gateway.errors import error_docs
 from gateway.export import SCHEMA, jsonl
 from gateway.routes.access import RunAgentDep
 from gateway.routes.run_sessions import SessionFilterDep
+from gateway.run_configs import discount_of
+from store.run_config import run_config_of
 
 router = APIRouter(tags=["export"])
 
@@ -33,7 +35,7 @@ async def export_run(
     versions, chat transcript, rewards and discounted returns. The filters are those of
     `GET /runs/{id}/sessions`; `status=ended&rewarded=true` gives what a trainer would use."""
     run = await gw.store.get_run(run_id)
-    gamma = float(run.config.get("discount", gw.settings.discount))
+    gamma = discount_of(run_config_of(run.config), gw.settings.discount)
     return StreamingResponse(
         jsonl(gw.store, run_id, where, gamma),
         media_type="application/x-ndjson",

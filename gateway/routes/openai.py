@@ -8,6 +8,9 @@ What the agent never saw is not trained: a request runs only while its client is
 client that disconnects or times out aborts its generation, recorded as aborted), and a retried
 non-streaming request of a session yields one turn (`gateway.attempts`: an `Idempotency-Key`, or
 the openai SDK's `x-stainless-retry-count`). A replayed answer carries `Idempotent-Replayed: true`.
+
+A session's request samples under its run's config (`gateway.sampling`); every answer says which
+contract it was sampled under in `x-rlgateway-sampling` (`record` or `run`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from gateway.choices import EventStream
 from gateway.deps import Gateway, GatewayDep
 from gateway.errors import BadRequest, error_docs
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest, check_vocab
+from gateway.sampling import contract_of
+from store.run_config import SAMPLING_HEADER, ClientSampling
 
 router = APIRouter(tags=["openai"])
 T = TypeVar("T")
@@ -53,11 +58,11 @@ _GENERATE_DOC: dict[int | str, dict[str, Any]] = {
 class _EventStreamResponse(StreamingResponse):
     """Server-sent events that close their stream when the response ends, however it ends."""
 
-    def __init__(self, stream: EventStream) -> None:
+    def __init__(self, stream: EventStream, headers: dict[str, str]) -> None:
         super().__init__(
             stream.events,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
         )
         self.close = stream.close
 
@@ -68,11 +73,13 @@ class _EventStreamResponse(StreamingResponse):
             await self.close()
 
 
-def _respond(result: Result, *, replayed: bool = False) -> Response:
+def _respond(result: Result, contract: ClientSampling, *, replayed: bool = False) -> Response:
+    headers: dict[str, str] = {SAMPLING_HEADER: contract}
     if isinstance(result, dict):
-        headers = {"Idempotent-Replayed": "true"} if replayed else None
+        if replayed:
+            headers["Idempotent-Replayed"] = "true"
         return JSONResponse(result, headers=headers)
-    return _EventStreamResponse(result)
+    return _EventStreamResponse(result, headers)
 
 
 async def _disconnected(request: Request) -> None:
@@ -131,17 +138,19 @@ async def _generate(
     require_active(caller)
     check_vocab(body, len(gw.components.tokenizer))
     sid = caller.session.id if caller.session else None
+    run = None if caller.session is None else await gw.run_configs.of(caller.session.run_id)
+    contract = contract_of(run)
     count = _retry_count(request)
     retry = count is not None and count >= 1
     key = None if body.stream or sid is None else await _attempt_key(request, route, sid)
     if key is None:
-        result = await _while_connected(request, create(body, sid, retry=retry))
-        return Response(status_code=CLIENT_GONE) if result is None else _respond(result)
+        result = await _while_connected(request, create(body, sid, run=run, retry=retry))
+        return Response(status_code=CLIENT_GONE) if result is None else _respond(result, contract)
 
     async def answer(known: bool) -> dict[str, Any]:
         # An earlier attempt known here either answered (replayed), left an aborted turn (which
         # any repeat replaces) or nothing: only an unknown one may have left a lost reply.
-        result = await create(body, sid, retry=retry and not known)
+        result = await create(body, sid, run=run, retry=retry and not known)
         assert isinstance(result, dict), "a non-streaming request answers JSON"
         return result
 
@@ -150,7 +159,7 @@ async def _generate(
     if replay is None:
         return Response(status_code=CLIENT_GONE)
     response, replayed = replay
-    return _respond(response, replayed=replayed)
+    return _respond(response, contract, replayed=replayed)
 
 
 async def _chat(

@@ -13,6 +13,7 @@ from gateway.deps import Gateway, GatewayDep
 from gateway.errors import error_docs
 from gateway.limits import CheckedBody
 from gateway.routes.access import DOC_BEARER, AdminDep
+from gateway.run_configs import discount_of
 from gateway.views import detail_json, info_json
 from store.rewards import MAX_ABS_REWARD
 
@@ -43,8 +44,7 @@ class RewardSet(CheckedBody):
 
 
 async def _gamma(gw: Gateway, run_id: str) -> float:
-    run = await gw.store.get_run(run_id)
-    return float(run.config.get("discount", gw.settings.discount))
+    return discount_of(await gw.run_configs.of(run_id), gw.settings.discount)
 
 
 @router.post("/sessions/{session_id}/reward", responses=error_docs(400, 409, 413))

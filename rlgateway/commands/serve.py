@@ -12,6 +12,7 @@ from rlgateway.errors import CLIError
 
 if TYPE_CHECKING:
     from gateway.settings import GatewaySettings
+    from trainer.config import TrainConfig
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -62,6 +63,8 @@ def run_serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CLIError(str(exc)) from exc
         train = train.model_copy(update={"database_url": settings.database_url})
+        if train.run:
+            train = _adopt_run(train)
     elif args.config or args.overrides:
         raise CLIError("--config and KEY=VALUE overrides go with --train")
     made_up = not settings.admin_token
@@ -91,6 +94,30 @@ def run_serve(args: argparse.Namespace) -> int:
         http=header_deadline(settings.header_timeout),
     )
     return 0
+
+
+def _adopt_run(train: TrainConfig) -> TrainConfig:
+    """`serve --train run=ID`: the config merged with the run's own, stored with the run
+    (`rlgateway.run_merge`), before anything loads."""
+    import asyncio
+
+    from rlgateway.run_merge import adopt_run_config
+    from store import NotFoundError, Store, StoreError
+
+    async def adopt() -> TrainConfig:
+        store = await Store.connect(train.database_url)
+        try:
+            await store.get_run(train.run)
+            return await adopt_run_config(store, train)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(adopt())
+    except NotFoundError as exc:
+        raise CLIError(f"{exc}: create the run with POST /runs first, or leave run= out") from exc
+    except (StoreError, ValueError) as exc:
+        raise CLIError(str(exc)) from exc
 
 
 def _check_engine(settings: GatewaySettings) -> None:

@@ -1,4 +1,9 @@
-"""`rlgateway train --config FILE [KEY=VALUE ...]`: the trainer as its own process(es)."""
+"""`rlgateway train --config FILE [KEY=VALUE ...]`: the trainer as its own process(es).
+
+The run owns its config (`rlgateway.run_merge`): a setting the run's stored config and this
+config both give must agree, the run's fill in what this one leaves out, and the merged config is
+stored with the run, so the gateway admits the run's agents by the trainer's `eta` and
+`batch_size`."""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ async def _train(cfg: object, gateway_url: str | None, token: str | None) -> int
     import logging
 
     from rlgateway.build import build_trainer, model_dir_of
+    from rlgateway.run_merge import adopt_run_config
     from store import Store
     from store.errors import StoreError
     from trainer.config import TrainConfig
@@ -47,6 +53,10 @@ async def _train(cfg: object, gateway_url: str | None, token: str | None) -> int
             await store.get_run(cfg.run)
         except StoreError as exc:
             raise CLIError(f"{exc}: create the run with POST /runs first") from exc
+        try:  # the run's own settings win; the gateway admits by what this trainer trains by
+            cfg = await adopt_run_config(store, cfg)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from exc
         model_dir = model_dir_of(cfg)
         publisher = None
         if gateway_url:
@@ -58,7 +68,8 @@ async def _train(cfg: object, gateway_url: str | None, token: str | None) -> int
         except ValueError as exc:  # e.g. wandb configured but not installed; a foreign checkpoint
             raise CLIError(str(exc)) from exc
         print(
-            f"training run {cfg.run} from step {trainer.backend.step} to {cfg.max_steps}",
+            f"training run {cfg.run} from step {trainer.step} to {cfg.max_steps} "
+            f"(policy version {trainer.version}; eta {cfg.eta}, batch_size {cfg.batch_size})",
             flush=True,
         )
         try:

@@ -161,7 +161,7 @@ async def run_demo(o: DemoOptions) -> dict[str, Any]:
             trainer.task.result()  # raises what stopped the trainer, if anything did
     finally:
         seconds = time.perf_counter() - t0
-        steps = trainer.trainer.backend.step if trainer is not None else 0
+        steps = trainer.trainer.step if trainer is not None else 0
         if trainer is not None:
             await trainer.stop()
         # the demo is over, and so is its run: it takes no new sessions, and nothing trains it

@@ -62,7 +62,7 @@ def make_sequences(seed: int = 0) -> list[TrainSequence]:
 
 
 def policy_gradient_loss(
-    logp_1T: torch.Tensor, mb: MicroBatch, normalizer: float
+    logp_1T: torch.Tensor, mb: MicroBatch, normalizer: float, entropy_1T: torch.Tensor | None
 ) -> tuple[torch.Tensor, Mapping[str, float]]:
     """-sum(logp * advantage) over trained tokens / normalizer: the simplest policy gradient."""
     mask = mb.loss_mask_1T

@@ -88,7 +88,7 @@ def test_a_killed_engine_comes_back_by_itself_on_the_current_weights(
     update.load_state_dict(perturbed(reference, 0.05))
     update.save_pretrained(tmp_path / "v5")
     with run_gateway(tiny_model, tmp_path) as gw:
-        for bad in (MAX_POLICY_VERSION + 1, 2**63, 0, -1):
+        for bad in (MAX_POLICY_VERSION + 1, 2**63, -1):
             r = gw.client.post(
                 "/admin/weights", json={"path": str(tmp_path / "v5"), "version": bad}
             )
@@ -97,9 +97,11 @@ def test_a_killed_engine_comes_back_by_itself_on_the_current_weights(
             assert error["param"] == "version"
             assert f"[1, {MAX_POLICY_VERSION}]" in error["message"]
         r = gw.client.post("/admin/weights", json={"path": str(tmp_path / "v5"), "version": 5})
-        assert r.json() == {"version": 5}
+        assert r.json() == {"version": 5, "changed": True}
         r = gw.client.post("/admin/weights", json={"path": str(tmp_path / "v5"), "version": 5})
-        assert r.status_code == 400  # not newer than the version served now
+        assert r.json() == {"version": 5, "changed": False}  # the served version: a no-op
+        r = gw.client.post("/admin/weights", json={"path": str(tmp_path / "v5"), "version": 4})
+        assert r.status_code == 400  # older than the version served now
         assert "[6, " in r.json()["error"]["message"]
 
         s, probe, streamer, *loaders = gw.new_sessions(6)

@@ -411,7 +411,8 @@ async def test_ppo_trains_a_critic_and_resumes_it_exactly(tiny_model: Path, tmp_
             cfg, h.store, build_backend(cfg.backend_config(model)), None, critic=critic2
         )
         assert await resumed.resume() == steps
-        assert critic2.step == critic.step == steps
+        # the optimizer steps (one per mini-batch) are restored with the training step
+        assert critic2.step == critic.step > steps
         a, b = critic.full_state_dict(), critic2.full_state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a)
 

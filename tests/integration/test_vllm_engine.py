@@ -331,7 +331,7 @@ def stream_across_a_swap(
                     r = gateway.client.post(
                         "/admin/weights", json={"path": str(weights), "version": version}
                     )
-                    assert r.json() == {"version": version}, r.text
+                    assert r.json() == {"version": version, "changed": True}, r.text
                     marks.append(time.monotonic() - t0)
                     swapped = True
             if choice is not None and choice.finish_reason is not None:

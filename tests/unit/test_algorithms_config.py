@@ -79,6 +79,8 @@ def test_every_knob_is_overridable() -> None:
         "kl_kind": "k2",
         "kl_placement": "reward",
         "entropy_coef": 0.001,
+        "ppo_n_minibatches": 2,
+        "ppo_epochs": 3,
         "overlong_buffer": 128,
         "overlong_penalty_factor": 0.5,
         "dynamic_sampling": True,

@@ -43,24 +43,27 @@ def group_index(group_ids: Sequence[str | None]) -> tuple[torch.Tensor, int]:
     return torch.tensor(index, dtype=torch.long), n_groups
 
 
-def group_advantages(
+def group_baseline(
     reward_N: torch.Tensor,
     group_ids: Sequence[str | None],
     mode: GroupMode,
     eps: float = 1e-5,
-) -> torch.Tensor:
-    """Per-trajectory advantage against its group's baseline.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(baseline_N, scale_N): each trajectory's advantage is `(x - baseline) * scale`, for its
+    episode reward x = r and for any per-turn return of it (the trainer's use).
 
-    - "mean" (Dr.GRPO): `r - mean_g`.
-    - "mean_std" (GRPO): `(r - mean_g) / (std_g + eps)`, with the unbiased std
+    - "mean" (Dr.GRPO): baseline `mean_g`, scale 1.
+    - "mean_std" (GRPO): baseline `mean_g`, scale `1 / (std_g + eps)`, with the unbiased std
       `sqrt(sum (r - mean_g)^2 / (n_g - 1))` (AReaL's `std_unbiased=True` default).
-    - "leave_one_out" (RLOO): `r - (S_g - r) / (n_g - 1)`, the mean of the other members.
-    - "none": `r` unchanged.
+    - "leave_one_out" (RLOO): baseline `(S_g - r) / (n_g - 1)`, the mean of the other members;
+      scale 1.
+    - "none": baseline 0, scale 1.
 
-    A group of one (every None id is one) gets advantage 0 in every baselined mode: it has nothing
-    to be compared with. (AReaL agrees for "mean" and "mean_std"; for leave-one-out it uses a
-    baseline of 0, i.e. the raw reward, which would let a lone trajectory's reward offset outweigh
-    every real group. Ungrouped data belongs with mode "none" and batch normalisation.)
+    A group of one (every None id is one) has baseline r and scale 1 in every baselined mode: its
+    episode advantage is 0, it has nothing to be compared with. (AReaL agrees for "mean" and
+    "mean_std"; for leave-one-out it uses a baseline of 0, i.e. the raw reward, which would let a
+    lone trajectory's reward offset outweigh every real group. Ungrouped data belongs with mode
+    "none" and batch normalisation.)
     """
     if reward_N.ndim != 1 or reward_N.shape[0] != len(group_ids):
         raise ValueError(
@@ -69,27 +72,47 @@ def group_advantages(
         )
     if eps <= 0:
         raise ValueError(f"eps must be > 0 (a uniform group has std 0), got {eps}")
-    if mode == "none":
-        return reward_N.detach().clone()
     r_N = reward_N.detach()
+    ones_N = torch.ones_like(r_N)
+    if mode == "none":
+        return torch.zeros_like(r_N), ones_N
+    if mode not in ("mean", "mean_std", "leave_one_out"):
+        raise ValueError(f"unknown group mode {mode!r}: use mean, mean_std, leave_one_out or none")
     g_N, n_groups = group_index(group_ids)
     g_N = g_N.to(r_N.device)
     count_G = torch.zeros(n_groups, dtype=r_N.dtype, device=r_N.device)
-    count_G.index_add_(0, g_N, torch.ones_like(r_N))
+    count_G.index_add_(0, g_N, ones_N)
     sum_G = torch.zeros_like(count_G).index_add_(0, g_N, r_N)
     count_N, sum_N = count_G[g_N], sum_G[g_N]
+    alone_N = count_N < 2
     if mode == "leave_one_out":
-        others_N = count_N - 1
-        baseline_N = (sum_N - r_N) / others_N.clamp(min=1)
-        return torch.where(others_N > 0, r_N - baseline_N, torch.zeros_like(r_N))
-    centered_N = r_N - sum_N / count_N
+        baseline_N = (sum_N - r_N) / (count_N - 1).clamp(min=1)
+        return torch.where(alone_N, r_N, baseline_N), ones_N
+    mean_N = sum_N / count_N
     if mode == "mean":
-        return centered_N
-    if mode == "mean_std":
-        sq_G = torch.zeros_like(count_G).index_add_(0, g_N, centered_N.square())
-        std_N = (sq_G[g_N] / (count_N - 1).clamp(min=1)).sqrt()
-        return centered_N / (std_N + eps)
-    raise ValueError(f"unknown group mode {mode!r}: use mean, mean_std, leave_one_out or none")
+        return mean_N, ones_N
+    sq_G = torch.zeros_like(count_G).index_add_(0, g_N, (r_N - mean_N).square())
+    std_N = (sq_G[g_N] / (count_N - 1).clamp(min=1)).sqrt()
+    return mean_N, torch.where(alone_N, ones_N, 1.0 / (std_N + eps))
+
+
+def group_advantages(
+    reward_N: torch.Tensor,
+    group_ids: Sequence[str | None],
+    mode: GroupMode,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Per-trajectory advantage against its group's baseline: `(r - baseline) * scale` of
+    `group_baseline` (see there for the modes; a group of one gets 0 in every baselined mode)."""
+    baseline_N, scale_N = group_baseline(reward_N, group_ids, mode, eps)
+    return (reward_N.detach() - baseline_N) * scale_N
+
+
+def reward_to_go(reward_T: torch.Tensor, mask_T: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Per sampled token, the discounted sum of the token rewards from it to the segment's end,
+    over sampled tokens only (`discounted_returns` of one row): how a per-token reward (the KL
+    penalty in the reward) reaches the advantages without a critic. 0 off the mask."""
+    return discounted_returns(reward_T[None], mask_T[None], gamma)[0]
 
 
 def normalize(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:

@@ -8,7 +8,9 @@ The pipeline these knobs describe (the trainer applies it in this order, as ARea
    reward-to-go (GAE with V = 0, lam = 1); a KL penalty goes into the token rewards when
    `kl_placement` is "reward";
 4. batch normalisation of the advantages (`adv_norm`);
-5. the loss: PPO clip (`eps_low`, `eps_high`, `dual_clip_c`), decoupled (`decoupled`,
+5. the update: the batch in `ppo_n_minibatches` mini-batches, one optimizer step each, for
+   `ppo_epochs` passes;
+6. the loss: PPO clip (`eps_low`, `eps_high`, `dual_clip_c`), decoupled (`decoupled`,
    `behav_imp_weight_cap`), token or sequence ratio (`importance_level`), aggregation (`agg`),
    KL to a reference (`kl_coef`, `kl_kind`) and an entropy bonus (`entropy_coef`).
 
@@ -76,12 +78,45 @@ class AlgorithmConfig(BaseModel):
     entropy_coef: float = Field(default=0.0, ge=0)
     """Weight of the entropy bonus (subtracted from the loss); 0: off."""
 
+    ppo_n_minibatches: int = Field(default=4, ge=1)
+    """Mini-batches per batch (AReaL's name and default): the proximal logprobs are computed once
+    per batch, then one optimizer step per mini-batch, so from the second mini-batch on the
+    policy has moved away from the proximal one and the clip binds. A batch of fewer sequences
+    has one mini-batch per sequence."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over the batch's mini-batches per step (each pass steps once per mini-batch)."""
+
     overlong_buffer: int | None = Field(default=None, ge=1)
     """DAPO overlong shaping: penalise the last this many tokens before max_tokens; None: off."""
     overlong_penalty_factor: float = Field(default=1.0, ge=0)
     """The overlong penalty reached at max_tokens."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal."""
+
+    # -- what the algorithm needs: the loop builds and runs only these -------------------------
+
+    @property
+    def needs_reference(self) -> bool:
+        """A reference model (the initial policy) and its logprobs every step: a KL term."""
+        return self.kl_coef > 0
+
+    @property
+    def needs_proximal(self) -> bool:
+        """Proximal logprobs recomputed with the current weights before the update (decoupled)."""
+        return self.decoupled
+
+    @property
+    def kl_in_reward(self) -> bool:
+        return self.kl_coef > 0 and self.kl_placement == "reward"
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.kl_coef > 0 and self.kl_placement == "loss"
+
+    @property
+    def entropy_mode(self) -> Literal["metric", "loss"]:
+        """The policy's entropy is always measured; it is differentiated only for a bonus."""
+        return "loss" if self.entropy_coef > 0 else "metric"
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:

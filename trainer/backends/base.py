@@ -10,16 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
 from trainer.batch import MicroBatch, TrainSequence
 
-LossFn = Callable[[torch.Tensor, MicroBatch, float], tuple[torch.Tensor, Mapping[str, float]]]
-"""`loss_fn(logp_1T, mb, normalizer) -> (loss, stats)`.
+LossFn = Callable[
+    [torch.Tensor, MicroBatch, float, torch.Tensor | None], tuple[torch.Tensor, Mapping[str, float]]
+]
+"""`loss_fn(logp_1T, mb, normalizer, entropy_1T) -> (loss, stats)`.
 
-`logp_1T` is the current policy's float32 logprob of each shifted target of `mb` (with grad).
+`logp_1T` is the current policy's float32 logprob of each shifted target of `mb` (with grad), at
+the target's temperature (`mb.temperature_1T`, else the step's one temperature). `entropy_1T` is
+the entropy of the distribution each target was drawn from (`trainer.batch.token_entropy`): with
+grad under `entropy="loss"`, without under `entropy="metric"`, None under `entropy="off"`.
 `normalizer` is the caller's `global_norm` for the whole batch (e.g. its number of trained tokens
 over all ranks), and the loss is the micro-batch's sum divided by it, so that the micro-batch losses
 of all ranks add up to the full-batch loss and gradient accumulation and data parallelism give the
@@ -28,8 +33,14 @@ averages them over micro-batches and ranks weighted by trained-token counts.
 """
 
 
+EntropyMode = Literal["off", "metric", "loss"]
+"""What `train_step` computes of the policy's entropy: nothing, a detached metric, or a term the
+loss differentiates (an entropy bonus)."""
+
+
 class TrainBackend(Protocol):
-    """A trainable policy. `step` counts optimizer steps taken (restored by `load`)."""
+    """A trainable policy. `step` counts optimizer steps taken (restored by `load`); a training
+    step of the loop takes one per mini-batch."""
 
     step: int
     model_dir: Path
@@ -52,10 +63,14 @@ class TrainBackend(Protocol):
         temperature: float,
         token_budget: int,
         global_norm: float,
+        entropy: EntropyMode = "off",
+        step_schedule: bool = True,
     ) -> dict[str, float]:
         """One optimizer step on `seqs`: pack into micro-batches of `token_budget` tokens, call
-        `loss_fn(logp_1T, mb, global_norm)` on each and accumulate gradients, clip the grad norm
-        (the backend's `grad_clip`), step the optimizer and the LR schedule. `global_norm` is the
+        `loss_fn(logp_1T, mb, global_norm, entropy_1T)` on each (the entropy as `entropy` says)
+        and accumulate gradients, clip the grad norm (the backend's `grad_clip`), step the
+        optimizer and (with `step_schedule`; the training loop advances it once per training
+        step, after its last mini-batch) the LR schedule. `global_norm` is the
         loss normaliser of the whole batch (see `LossFn`); it must be positive.
 
         Returns the stats of `loss_fn` averaged over all ranks, plus `loss` (the summed loss of
@@ -102,6 +117,7 @@ class ValueBackend(Protocol):
         temperature: float,
         token_budget: int,
         global_norm: float,
+        step_schedule: bool = True,
     ) -> dict[str, float]:
         """One optimizer step of the value model (see `TrainBackend.train_step`)."""
         ...

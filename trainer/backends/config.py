@@ -23,8 +23,6 @@ class FSDPBackendConfig(BaseModel):
     """Peak AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW decoupled weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     warmup_steps: int = Field(0, ge=0)

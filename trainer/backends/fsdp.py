@@ -43,12 +43,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from trainer.backends.base import LossFn
+from trainer.backends.base import EntropyMode, LossFn
 from trainer.batch import (
     MicroBatch,
     TrainSequence,
     pack,
     plan_micro_batches,
+    token_entropy,
     token_logprobs,
     unpack_token_values,
 )
@@ -203,8 +204,21 @@ class FSDPBackend:
         self, logits: torch.Tensor, mb: MicroBatch, temperature: float
     ) -> torch.Tensor:
         """What the loss sees at each row position, [1, T] float32: here the logprob of the
-        position's target (a subclass returns values)."""
-        return token_logprobs(logits, mb.targets_1T, temperature)
+        position's target at its temperature (a subclass returns values)."""
+        temp = mb.temperature_1T if mb.temperature_1T is not None else temperature
+        return token_logprobs(logits, mb.targets_1T, temp)
+
+    def _entropy(
+        self, logits: torch.Tensor, mb: MicroBatch, temperature: float, mode: EntropyMode
+    ) -> torch.Tensor | None:
+        """The policy's entropy at each row position (see `LossFn`), or None when off."""
+        if mode == "off":
+            return None
+        temp = mb.temperature_1T if mb.temperature_1T is not None else temperature
+        if mode == "loss":
+            return token_entropy(logits, temp)
+        with torch.no_grad():
+            return token_entropy(logits.detach(), temp)
 
     # -- data parallelism ------------------------------------------------------------------------
 
@@ -277,6 +291,8 @@ class FSDPBackend:
         temperature: float,
         token_budget: int,
         global_norm: float,
+        entropy: EntropyMode = "off",
+        step_schedule: bool = True,
     ) -> dict[str, float]:
         if not seqs:
             raise ValueError("train_step needs at least one sequence")
@@ -293,7 +309,9 @@ class FSDPBackend:
                 continue
             mb = micro[k].to(self.device)
             logits = self._forward(mb.input_ids_1T, mb.position_ids_1T)
-            loss, stats = loss_fn(self._per_position(logits, mb, temperature), mb, global_norm)
+            entropy_1T = self._entropy(logits, mb, temperature, entropy)
+            out_1T = self._per_position(logits, mb, temperature)
+            loss, stats = loss_fn(out_1T, mb, global_norm, entropy_1T)
             # FSDP averages gradients over ranks; the global normaliser wants their sum.
             torch.autograd.backward(loss * self.world_size)
             values = {key: float(v) for key, v in stats.items()}
@@ -308,7 +326,8 @@ class FSDPBackend:
         else:
             log.warning("step %d: grad norm is %s; skipping the update", self.step, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if step_schedule:
+            self.scheduler.step()
         self.step += 1
 
         gathered = [r for part in self._gather(records) for r in part]
@@ -350,14 +369,18 @@ class FSDPBackend:
 
 
 def _merge_stats(records: Sequence[tuple[int, float, Mapping[str, float]]]) -> dict[str, float]:
-    """`loss` summed over micro-batches; every other stat averaged, weighted by trained tokens
+    """`loss` summed over micro-batches; `*_min`/`*_max` stats the minimum/maximum over the
+    micro-batches that trained a token; every other stat averaged, weighted by trained tokens
     (plainly where no micro-batch that has it trained any token)."""
     merged: dict[str, float] = {"loss": sum(loss for _, loss, _ in records)}
     keys = {k for _, _, stats in records for k in stats} - {"loss"}
     for key in sorted(keys):
         pairs = [(w, stats[key]) for w, _, stats in records if key in stats]
         total = sum(w for w, _ in pairs)
-        if total:
+        extreme = min if key.endswith("_min") else max if key.endswith("_max") else None
+        if extreme is not None and total:
+            merged[key] = extreme(v for w, v in pairs if w)
+        elif total:
             merged[key] = sum(w * v for w, v in pairs) / total
         else:
             merged[key] = sum(v for _, v in pairs) / len(pairs)

@@ -1,0 +1,70 @@
+"""The part of a run's configuration that the gateway and the trainer must agree on, stored with
+the run (`runs.config`, set by `POST /runs` or by the first `rlgateway train` of the run).
+
+The gateway reads it for admission (`eta`, `batch_size`, `max_concurrent`), for the returns it
+reports (`discount`) and for the sampling contract (`temperature`, `client_sampling`); the
+trainer's `TrainConfig` extends it, so the trainer trains under the same values. Torch-free and
+trainer-free: the gateway imports it.
+
+**The sampling contract** (`client_sampling`). The trainer recomputes the logprob of every trained
+token as `log_softmax(logits / T)`; that is the distribution the engine sampled from only when no
+truncation (top-p, top-k), end-token masking (min_tokens) or greedy decoding changed it.
+
+- `record` (the default): the engine samples with the client's settings, settings the client does
+  not send come from the run (`temperature`), and each turn's settings are recorded with it. The
+  trainer computes each token's logprob at the temperature that sampled it; a turn it cannot
+  reproduce (temperature 0, top_p < 1, top_k > 0, or min_tokens > 0, which masks the end token)
+  is recorded and exported but left out of the loss, and counted in the step's
+  `untrainable_turns` metric.
+- `run`: the gateway samples every turn at the run's `temperature` with no truncation, whatever
+  the client sends, and says so in the response header `x-rlgateway-sampling: run` and in the
+  turn's record; every turn is trainable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ClientSampling = Literal["record", "run"]
+
+SAMPLING_HEADER = "x-rlgateway-sampling"
+"""Response header naming the contract a turn was sampled under (`record` or `run`)."""
+
+
+class RunConfig(BaseModel):
+    """The run-owned settings (see the module docstring). Every field has a default."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    batch_size: int = Field(8, ge=1)
+    """Trajectories (ended, rewarded sessions) per training step: AReaL's B."""
+    eta: int = Field(1, ge=0)
+    """Staleness bound: no token older than `eta` policy versions is trained; 0 is synchronous."""
+    max_concurrent: int | None = Field(None, ge=1)
+    """At most this many active sessions (the gateway answers 429 beyond it); None: no limit."""
+    discount: float = Field(1.0, ge=0, le=1)
+    """Per-turn discount gamma of the returns."""
+    temperature: float = Field(1.0, gt=0)
+    """The run's sampling temperature: what a request that sends none samples at (and, with
+    `client_sampling: run`, every request)."""
+    client_sampling: ClientSampling = "record"
+    """How client sampling settings are treated: `record` or `run` (module docstring)."""
+
+
+RUN_FIELDS: tuple[str, ...] = tuple(RunConfig.model_fields)
+"""The keys of a stored run config that the gateway reads."""
+
+
+def run_config_of(stored: dict[str, Any]) -> RunConfig:
+    """The run-owned part of a run's stored config (a whole training config, or a part of it),
+    defaults for what it does not set. A stored config is validated when it is stored, so a bad
+    value here is a bug; it raises pydantic's ValidationError."""
+    return RunConfig.model_validate({k: stored[k] for k in RUN_FIELDS if k in stored})
+
+
+def throttled(stored: dict[str, Any]) -> bool:
+    """Whether the gateway enforces the staleness bound for this run: its config sets `eta` or
+    `batch_size` (a run made for browsing or export alone sets neither and is never throttled)."""
+    return "eta" in stored or "batch_size" in stored
