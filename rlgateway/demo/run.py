@@ -47,6 +47,18 @@ class DemoOptions:
     """Engine settings for the gateway (`engine`, `engine_urls`, ...; see GatewaySettings)."""
 
 
+DEMO_GRPO: dict[str, Any] = {
+    "eps_low": 0.2,
+    "eps_high": 0.28,
+    "dual_clip_c": 3.0,
+    "entropy_coef": 0.001,
+}
+"""The default demo's GRPO knobs (BENCHMARKS.md, "The demo", has the runs that chose them): with
+4 mini-batches per step the policy moves within a step, and the preset's 0.4 clip let it move
+far enough to collapse; DAPO's clip-higher (0.2 / 0.28), a dual clip and a small entropy bonus
+kept it learning."""
+
+
 def train_config(o: DemoOptions, run_id: str, database_url: str) -> Any:
     from trainer.config import apply_overrides, validate_config
 
@@ -67,6 +79,8 @@ def train_config(o: DemoOptions, run_id: str, database_url: str) -> Any:
     }
     from trainer.algorithms.config import PRESETS
 
+    if o.algorithm == "grpo":
+        data["algo"] = dict(DEMO_GRPO)
     if PRESETS[o.algorithm].overlong_buffer is not None:
         # DAPO's overlong penalty must spare every right answer: the longest is LONGEST_ANSWER
         # tokens (seven letters and the end token), so only the tokens past it are penalised.
