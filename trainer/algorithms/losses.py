@@ -75,7 +75,8 @@ def ppo_policy_loss(
     Stats (0-dim tensors, over sampled tokens): clip_frac_low / clip_frac_high (the clip binds:
     A < 0 and u < 1 - eps_low / A > 0 and u > 1 + eps_high), dual_clip_frac, ratio_mean/min/max,
     imp_weight_mean/min/max (w; 1 when not decoupled), cap_masked_frac, approx_kl (the k3 estimate
-    of KL(behaviour || current), behaviour = old_logp when not decoupled).
+    of KL(behaviour || current), behaviour = old_logp when not decoupled), approx_kl_prox (the
+    same against old_logp: how far the update moved the policy from the proximal one).
     """
     check_bt_shapes(logp_BT=logp_BT, old_logp_BT=old_logp_BT, adv_BT=adv_BT, mask_BT=mask_BT)
     if dual_clip_c is not None and dual_clip_c <= 1.0:
@@ -125,6 +126,7 @@ def ppo_policy_loss(
     with torch.no_grad():
         n = m.sum().clamp(min=1)
         delta_BT = torch.where(m, logp_BT - behav, zeros)
+        prox_delta_BT = torch.where(m, logp_BT - old, zeros)
         ratio_min, ratio_max = _masked_min_max(ratio_BT, m)
         w_min, w_max = _masked_min_max(weight_BT, m)
         stats = {
@@ -139,6 +141,7 @@ def ppo_policy_loss(
             "imp_weight_max": w_max,
             "cap_masked_frac": _masked_mean((m & ~keep).to(old.dtype), m, n),
             "approx_kl": _masked_mean(delta_BT.exp() - 1 - delta_BT, m, n),
+            "approx_kl_prox": _masked_mean(prox_delta_BT.exp() - 1 - prox_delta_BT, m, n),
         }
     return loss, {k: v.detach() for k, v in stats.items()}
 
