@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from rlgateway.errors import CLIError
 
-DEMO_LR = 1e-4
+DEMO_LR = 2e-4
 WARM_START_STEPS = 60
 
 

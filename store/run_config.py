@@ -23,6 +23,7 @@ truncation (top-p, top-k), end-token masking (min_tokens) or greedy decoding cha
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -68,3 +69,24 @@ def throttled(stored: dict[str, Any]) -> bool:
     """Whether the gateway enforces the staleness bound for this run: its config sets `eta` or
     `batch_size` (a run made for browsing or export alone sets neither and is never throttled)."""
     return "eta" in stored or "batch_size" in stored
+
+
+def reproducible_temperature(sampling: Mapping[str, Any], default: float) -> float | None:
+    """The temperature a turn's tokens were drawn at (its recorded sampling settings; `default`,
+    the run's, for what it does not record), or None when the trainer cannot reproduce that
+    distribution: greedy, or truncated by top-p, top-k, min-p, or min_tokens (which masks EOS).
+    The one rule of the contract: the trainer trains by it, and what the gateway samples under
+    `run` passes it."""
+    temperature = sampling.get("temperature")
+    t = default if temperature is None else float(temperature)
+    top_p = sampling.get("top_p")
+    top_k = sampling.get("top_k")
+    min_p = sampling.get("min_p")
+    min_new = sampling.get("min_new_tokens")
+    if t <= 0 or (top_p is not None and float(top_p) < 1.0):
+        return None
+    if (top_k is not None and int(top_k) > 0) or (min_p is not None and float(min_p) > 0):
+        return None
+    if min_new is not None and int(min_new) > 0:
+        return None
+    return t

@@ -58,6 +58,7 @@ from trainer.sequences import (
     with_advantages,
     with_gae,
 )
+from trainer.stats import merge_stats
 
 log = logging.getLogger(__name__)
 
@@ -452,31 +453,17 @@ class Trainer:
         self.sink.close()
 
 
-_MIN_KEYS = ("ratio_min", "imp_weight_min")
-_MAX_KEYS = ("ratio_max", "imp_weight_max")
-
-
 def merge_update_stats(updates: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """One step's stats from its optimizer steps' (weighted by trained tokens): minima and maxima
-    over all of them, `loss` and `grad_norm` their means (and `grad_norm_max`), `lr` the first
-    (the schedule advances once per step), every other stat the token-weighted mean."""
+    """One step's stats from its optimizer steps' (`trainer.stats.merge_stats`, weighted by
+    trained tokens): `loss` and the grad norms their means (and `grad_norm_max`), `lr` the first
+    (the schedule advances once per step)."""
     if not updates:
         return {}
-    keys = {k for _, stats in updates for k in stats}
-    total = sum(n for n, _ in updates) or 1
-    out: dict[str, float] = {}
-    for key in sorted(keys):
-        values = [(n, stats[key]) for n, stats in updates if key in stats]
-        if key in _MIN_KEYS:
-            out[key] = min(v for _, v in values)
-        elif key in _MAX_KEYS:
-            out[key] = max(v for _, v in values)
-        elif key in ("loss", "grad_norm", "value_loss", "critic_grad_norm"):
-            out[key] = statistics.fmean(v for _, v in values)
-        elif key in ("lr", "critic_lr"):
-            out[key] = values[0][1]
-        else:
-            out[key] = sum(n * v for n, v in values) / total
+    out = merge_stats(
+        updates,
+        averaged={"loss", "grad_norm", "value_loss", "critic_grad_norm"},
+        first={"lr", "critic_lr"},
+    )
     norms = [stats["grad_norm"] for _, stats in updates if "grad_norm" in stats]
     if norms:
         out["grad_norm_max"] = max(norms) if all(math.isfinite(x) for x in norms) else math.inf

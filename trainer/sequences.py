@@ -26,12 +26,11 @@ returns the critic regresses on.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from store.run_config import reproducible_temperature
 from store.types import Segment, Trajectory
 from trainer.algorithms.advantages import (
     gae,
@@ -74,25 +73,6 @@ def _group_key(t: Trajectory) -> str:
     return t.session.group_id if t.session.group_id is not None else f"solo:{t.session.id}"
 
 
-def sampled_temperature(sampling: Mapping[str, Any], default: float) -> float | None:
-    """The temperature a turn's tokens were drawn at (its recorded sampling settings; `default`,
-    the run's, for what it does not record), or None when the trainer cannot reproduce that
-    distribution: greedy, or truncated by top-p, top-k, min-p, or min_tokens (which masks EOS)."""
-    temperature = sampling.get("temperature")
-    t = default if temperature is None else float(temperature)
-    top_p = sampling.get("top_p")
-    top_k = sampling.get("top_k")
-    min_p = sampling.get("min_p")
-    min_new = sampling.get("min_new_tokens")
-    if t <= 0 or (top_p is not None and float(top_p) < 1.0):
-        return None
-    if (top_k is not None and int(top_k) > 0) or (min_p is not None and float(min_p) > 0):
-        return None
-    if min_new is not None and int(min_new) > 0:
-        return None
-    return t
-
-
 @dataclass(frozen=True, slots=True)
 class _Tokens:
     """One segment as the trainer takes it: loss mask without its untrainable turns, and each
@@ -113,7 +93,7 @@ def _segment_tokens(seg: Segment, default_temperature: float) -> _Tokens:
     spans: list[tuple[int, int]] = []
     sampling = seg.turn_sampling or [{}] * len(seg.turn_spans)
     for (start, end), settings in zip(seg.turn_spans, sampling, strict=True):
-        t = sampled_temperature(settings, default_temperature)
+        t = reproducible_temperature(settings, default_temperature)
         if t is None:
             untrainable += 1
             mask[start:end] = [0] * (end - start)

@@ -6,15 +6,26 @@ Each worker loops: create a group of `group_size` sessions for one problem (`POS
 answer in each session through the session's own `base_url` and key, grade the answer, post the
 reward and end the session. Only public HTTP is used, exactly what a user's harness would do
 (`agents_examples/grpo_harness.py` is the standalone version).
+
+The demo runs them as a program of their own (`python -m rlgateway.demo.harness`, see `main`),
+as a user's agents are: they do not share the gateway's interpreter (its lock, its event loop)
+with it and the trainer. Each finished episode is one JSON line on stdout; SIGTERM (or stdin
+closing) stops them after the groups already started.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
+import json
+import os
 import random
+import signal
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
@@ -37,6 +48,13 @@ class Episode:
     """The policy version serving when the answer came back."""
     completion_tokens: int
     problem_id: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> Episode:
+        return cls(**json.loads(line))
 
 
 async def answer(client: AsyncOpenAI, model: str, problem: Problem) -> tuple[str, int]:
@@ -134,3 +152,67 @@ class Agents:
         (await http.post(f"/sessions/{s['id']}/end", headers=key)).raise_for_status()
         t = time.perf_counter() - self._t0
         self.on_episode(Episode(t, reward, version, tokens, problem.id))
+
+
+ADMIN_TOKEN_ENV = "RLGATEWAY_DEMO_ADMIN_TOKEN"
+"""The admin token reaches the agents' process in its environment, not on its command line."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The agents as a program: `python -m rlgateway.demo.harness --url URL --run RUN ...`, the
+    admin token in `$RLGATEWAY_DEMO_ADMIN_TOKEN`. Prints each episode as a JSON line (version -1:
+    the process that reads them knows which version serves) and runs until SIGTERM or EOF on
+    stdin."""
+    from rlgateway.demo.task import all_problems
+
+    p = argparse.ArgumentParser(prog="python -m rlgateway.demo.harness")
+    p.add_argument("--url", required=True, help="the gateway's base URL")
+    p.add_argument("--run", required=True, help="the run the sessions belong to")
+    p.add_argument("--model", default="demo", help="the served model name")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--workers", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    token = os.environ.get(ADMIN_TOKEN_ENV)
+    if not token:
+        p.error(f"${ADMIN_TOKEN_ENV} must hold the gateway's admin token")
+
+    def emit(ep: Episode) -> None:
+        sys.stdout.write(ep.to_json() + "\n")
+        sys.stdout.flush()
+
+    agents = Agents(
+        gateway_url=args.url,
+        admin_token=token,
+        run_id=args.run,
+        model=args.model,
+        problems=all_problems(),
+        group_size=args.group_size,
+        workers=args.workers,
+        seed=args.seed,
+        version=lambda: -1,
+        on_episode=emit,
+    )
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        fd = sys.stdin.fileno()
+
+        def on_stdin() -> None:
+            if not os.read(fd, 4096):  # EOF: whoever started us is gone
+                loop.remove_reader(fd)
+                stop.set()
+
+        with contextlib.suppress(NotImplementedError, OSError, ValueError):
+            loop.add_reader(fd, on_stdin)
+        await agents.run(stop)
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

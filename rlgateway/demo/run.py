@@ -6,23 +6,27 @@
 3. The trainer in the background (GRPO unless `--algorithm` says otherwise), publishing each new
    policy straight into the engine while the agents keep running.
 4. Many concurrent `openai`-SDK agents answering the task as GRPO groups, graded in code, with
-   rewards posted over HTTP (`harness.py`).
+   rewards posted over HTTP (`harness.py`), in a process of their own as a user's agents are.
 5. A live table while it runs; reward.png and summary.json at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import secrets
 import socket
+import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rlgateway.demo.harness import Agents
+from rlgateway.demo.harness import ADMIN_TOKEN_ENV, Episode
 from rlgateway.demo.report import Progress, summarize, write_outputs
-from rlgateway.demo.task import LONGEST_ANSWER, MAX_TOKENS, all_problems
+from rlgateway.demo.task import LONGEST_ANSWER, MAX_TOKENS
 from store.types import RunStatus
 
 
@@ -52,11 +56,14 @@ DEMO_GRPO: dict[str, Any] = {
     "eps_high": 0.28,
     "dual_clip_c": 3.0,
     "entropy_coef": 0.001,
+    "kl_coef": 0.05,
 }
 """The default demo's GRPO knobs (BENCHMARKS.md, "The demo", has the runs that chose them): with
 4 mini-batches per step the policy moves within a step, and the preset's 0.4 clip let it move
-far enough to collapse; DAPO's clip-higher (0.2 / 0.28), a dual clip and a small entropy bonus
-kept it learning."""
+far enough to collapse; DAPO's clip-higher (0.2 / 0.28) and a dual clip bound each step. The KL
+to the warm start in the loss (GRPO's own form: k3, in the loss) is what keeps the policy from
+collapsing onto one string per instruction: the reward does not care which letters are written,
+so the KL keeps them varied while the length is learned, and uniform groups stay rare."""
 
 
 def train_config(o: DemoOptions, run_id: str, database_url: str) -> Any:
@@ -118,7 +125,6 @@ async def run_demo(o: DemoOptions) -> dict[str, Any]:
     )
     assert settings.admin_token is not None
     c = await load_components(settings)
-    problems = all_problems()
     cfg = None
     run_config: dict[str, Any] = {"task": "exact-length lowercase letters", "trained": o.train}
     if o.train:
@@ -138,6 +144,7 @@ async def run_demo(o: DemoOptions) -> dict[str, Any]:
     )
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     trainer: EmbeddedTrainer | None = None
+    agents: AgentsProcess | None = None
     t0 = time.perf_counter()
     try:
         while not server.started:
@@ -150,32 +157,24 @@ async def run_demo(o: DemoOptions) -> dict[str, Any]:
         if cfg is not None:
             cfg = cfg.model_copy(update={"run": run.id})
             trainer = await EmbeddedTrainer.start(cfg, c, settings, report=progress.on_train_step)
-        agents = Agents(
-            gateway_url=url,
-            admin_token=settings.admin_token,
-            run_id=run.id,
-            model="demo",
-            problems=problems,
-            group_size=o.group_size,
-            workers=o.workers,
-            seed=o.seed,
-            version=c.engine.version,
-            on_episode=progress.on_episode,
+        agents = await AgentsProcess.start(
+            url, settings.admin_token, run.id, o, on_episode=progress.on_episode
         )
-        stop = asyncio.Event()
         progress.start()
         t0 = time.perf_counter()
-        working = asyncio.create_task(agents.run(stop))
+        working = asyncio.create_task(agents.read(c.engine.version))
         # The clock ends the demo, or the trainer reaching max_steps (an override), or a failure.
         watched = [working] + ([trainer.task] if trainer is not None else [])
         await asyncio.wait(watched, timeout=o.minutes * 60, return_when=asyncio.FIRST_COMPLETED)
-        stop.set()
+        await agents.stop()
         await working
         if trainer is not None and trainer.task.done() and not trainer.task.cancelled():
             trainer.task.result()  # raises what stopped the trainer, if anything did
     finally:
         seconds = time.perf_counter() - t0
         steps = trainer.trainer.step if trainer is not None else 0
+        if agents is not None:
+            await agents.close()
         if trainer is not None:
             await trainer.stop()
         # the demo is over, and so is its run: it takes no new sessions, and nothing trains it
@@ -194,3 +193,64 @@ async def run_demo(o: DemoOptions) -> dict[str, Any]:
     title = f"rlgateway demo: {o.algorithm if o.train else 'no training'}, seed {o.seed}"
     summary["png"] = str(write_outputs(o.out, summary, title))
     return summary
+
+
+class AgentsProcess:
+    """The agents (`python -m rlgateway.demo.harness`) as a child process: its episodes, one
+    JSON line each, are handed to `on_episode` with the policy version serving when they
+    arrive. Its stdin is a pipe held open, so it stops if this process dies."""
+
+    def __init__(
+        self, proc: asyncio.subprocess.Process, on_episode: Callable[[Episode], None]
+    ) -> None:
+        self.proc = proc
+        self.on_episode = on_episode
+
+    @classmethod
+    async def start(
+        cls,
+        url: str,
+        admin_token: str,
+        run_id: str,
+        o: DemoOptions,
+        *,
+        on_episode: Callable[[Episode], None],
+    ) -> AgentsProcess:
+        args = ["--url", url, "--run", run_id, "--model", "demo"]
+        args += ["--group-size", str(o.group_size), "--workers", str(o.workers)]
+        args += ["--seed", str(o.seed)]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "rlgateway.demo.harness",
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, ADMIN_TOKEN_ENV: admin_token},
+            limit=1 << 20,
+        )
+        return cls(proc, on_episode)
+
+    async def read(self, version: Callable[[], int]) -> None:
+        """Episodes until the process exits; raises if it failed."""
+        assert self.proc.stdout is not None
+        async for line in self.proc.stdout:
+            self.on_episode(replace(Episode.from_json(line.decode()), version=version()))
+        code = await self.proc.wait()
+        if code != 0:
+            raise RuntimeError(f"the demo's agents exited with status {code} (their stderr above)")
+
+    async def stop(self) -> None:
+        """Ask the agents to finish the groups they started, then exit."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                self.proc.terminate()
+
+    async def close(self, grace: float = 30.0) -> None:
+        """Stop the agents and wait for them; kill them if they outstay `grace` seconds."""
+        await self.stop()
+        try:
+            await asyncio.wait_for(self.proc.wait(), grace)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()

@@ -70,7 +70,7 @@ def ref_policy_loss(
                 a_of[b, t] = adv[b][t]
     loss: dict[tuple[int, int], float] = {}
     n_low = n_high = n_dropped = n_dual = 0
-    weights, kls = [], []
+    weights, kls, prox_kls = [], [], []
     for (b, t), u in ratio.items():
         a = a_of[b, t]
         u_clip = min(max(u, 1 - eps_low), 1 + eps_high)
@@ -92,6 +92,8 @@ def ref_policy_loss(
         weights.append(w)
         d = logp[b][t] - base
         kls.append(math.exp(d) - 1 - d)
+        d_prox = logp[b][t] - old[b][t]  # against the proximal policy, whatever the behaviour
+        prox_kls.append(math.exp(d_prox) - 1 - d_prox)
         loss[b, t] = l_tok
     n_tok = len(loss)
     per_seq = [[loss[p] for p in seq if p in loss] for seq in seqs]
@@ -114,6 +116,7 @@ def ref_policy_loss(
         "imp_weight_max": max(weights),
         "imp_weight_min": min(weights),
         "approx_kl": sum(kls) / n_tok,
+        "approx_kl_prox": sum(prox_kls) / n_tok,
     }
     return total, stats
 

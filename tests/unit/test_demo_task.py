@@ -108,3 +108,23 @@ def test_the_demo_run_config_never_penalises_a_right_answer() -> None:
     )
     assert shaped[0] == 1.0
     assert shaped[1] < 1.0
+
+
+def test_an_episode_crosses_the_agents_process_boundary_whole() -> None:
+    # the demo's agents run as a process of their own and hand each episode over as a JSON line
+    ep = Episode(t=1.5, reward=1.0, version=-1, completion_tokens=6, problem_id="letters-5")
+    line = ep.to_json()
+    assert "\n" not in line
+    assert Episode.from_json(line) == ep
+
+
+def test_the_agents_program_refuses_to_start_without_the_admin_token(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rlgateway.demo import harness
+
+    monkeypatch.delenv(harness.ADMIN_TOKEN_ENV, raising=False)
+    with pytest.raises(SystemExit) as exc:
+        harness.main(["--url", "http://127.0.0.1:1", "--run", "run_x"])
+    assert exc.value.code == 2
+    assert harness.ADMIN_TOKEN_ENV in capsys.readouterr().err

@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
@@ -53,6 +53,7 @@ from trainer.batch import (
     token_logprobs,
     unpack_token_values,
 )
+from trainer.stats import merge_stats
 
 MixedPrecision = Literal["fp32", "bf16"]
 Schedule = Literal["constant", "linear", "cosine"]
@@ -185,8 +186,10 @@ class FSDPBackend:
         self.model = model
 
         self.grad_clip = grad_clip
+        # foreach: a few multi-tensor kernels per step instead of a Python loop over parameters
+        # (PyTorch's default on CPU); 25-30% off a demo-sized step (BENCHMARKS.md, "The demo")
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
+            model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=True
         )
         self.schedule = LRSchedule(schedule, warmup_steps, total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
@@ -331,7 +334,9 @@ class FSDPBackend:
         self.step += 1
 
         gathered = [r for part in self._gather(records) for r in part]
-        return _merge_stats(gathered) | {"grad_norm": grad_norm, "lr": lr}
+        # the loss callback divides by the whole batch's normaliser: the parts' losses add up
+        parts = [(n, {"loss": loss, **values}) for n, loss, values in gathered]
+        return merge_stats(parts, summed={"loss"}) | {"grad_norm": grad_norm, "lr": lr}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -366,22 +371,3 @@ class FSDPBackend:
         )
         self.scheduler.load_state_dict(state["scheduler"] | {"lr_lambdas": [None]})
         self.step = int(state["step"])
-
-
-def _merge_stats(records: Sequence[tuple[int, float, Mapping[str, float]]]) -> dict[str, float]:
-    """`loss` summed over micro-batches; `*_min`/`*_max` stats the minimum/maximum over the
-    micro-batches that trained a token; every other stat averaged, weighted by trained tokens
-    (plainly where no micro-batch that has it trained any token)."""
-    merged: dict[str, float] = {"loss": sum(loss for _, loss, _ in records)}
-    keys = {k for _, _, stats in records for k in stats} - {"loss"}
-    for key in sorted(keys):
-        pairs = [(w, stats[key]) for w, _, stats in records if key in stats]
-        total = sum(w for w, _ in pairs)
-        extreme = min if key.endswith("_min") else max if key.endswith("_max") else None
-        if extreme is not None and total:
-            merged[key] = extreme(v for w, v in pairs if w)
-        elif total:
-            merged[key] = sum(w * v for w, v in pairs) / total
-        else:
-            merged[key] = sum(v for _, v in pairs) / len(pairs)
-    return merged

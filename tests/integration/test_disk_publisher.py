@@ -1,0 +1,106 @@
+"""`DiskPublisher` against a real HTTP server on loopback that restarts: 502/503/504 and refused
+connections are retried until `retry_seconds`, every other error is raised at once."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from trainer.publish import DiskPublisher
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Flaky:
+    """A gateway whose first `failures` answers to GET /admin/version are `status`."""
+
+    def __init__(self, failures: int, status: int) -> None:
+        self.failures = failures
+        self.status = status
+        self.calls = 0
+        self.app = FastAPI()
+        self.app.get("/admin/version")(self.version)
+
+    async def version(self) -> JSONResponse:
+        self.calls += 1
+        if self.calls <= self.failures:
+            return JSONResponse({"error": "restarting"}, status_code=self.status)
+        return JSONResponse({"version": 7})
+
+
+@asynccontextmanager
+async def serve(app: FastAPI, port: int) -> AsyncIterator[uvicorn.Server]:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        await task
+
+
+def publisher(tmp_path: Path, port: int, retry_seconds: float) -> DiskPublisher:
+    return DiskPublisher(
+        tmp_path / "weights",
+        tmp_path / "model",
+        f"http://127.0.0.1:{port}",
+        admin_token="t",
+        retry_seconds=retry_seconds,
+    )
+
+
+@pytest.mark.parametrize("status", [502, 503, 504])
+async def test_a_restarting_gateway_is_retried_until_it_answers(
+    tmp_path: Path, status: int
+) -> None:
+    port = free_port()
+    flaky = Flaky(failures=2, status=status)
+    async with serve(flaky.app, port):
+        assert await publisher(tmp_path, port, retry_seconds=30).served() == 7
+    assert flaky.calls == 3
+
+
+async def test_a_gateway_that_comes_up_late_is_waited_for(tmp_path: Path) -> None:
+    port = free_port()
+    flaky = Flaky(failures=0, status=200)
+    asking = asyncio.create_task(publisher(tmp_path, port, retry_seconds=30).served())
+    await asyncio.sleep(1.2)  # refused connections meanwhile
+    assert not asking.done()
+    async with serve(flaky.app, port):
+        assert await asking == 7
+
+
+async def test_a_gateway_still_down_at_the_deadline_is_an_error_naming_the_last_failure(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    flaky = Flaky(failures=100, status=503)
+    async with serve(flaky.app, port):
+        with pytest.raises(ConnectionError, match=r"within 2 s \(last: 503"):
+            await publisher(tmp_path, port, retry_seconds=2).served()
+    assert 2 <= flaky.calls <= 4
+
+
+async def test_any_other_error_is_raised_at_once(tmp_path: Path) -> None:
+    import httpx
+
+    port = free_port()
+    flaky = Flaky(failures=1, status=409)
+    async with serve(flaky.app, port):
+        with pytest.raises(httpx.HTTPStatusError, match="409"):
+            await publisher(tmp_path, port, retry_seconds=30).served()
+    assert flaky.calls == 1
