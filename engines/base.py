@@ -192,6 +192,20 @@ class WeightUpdate:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerState:
+    """One server behind a router (`engines.router`), as the router sees it."""
+
+    name: str
+    version: int
+    """The policy version the server last said it serves."""
+    state: str
+    """`up` (in rotation), `down` (not answering, or unhealthy) or `stale` (answering, at
+    another version than the router's: out of rotation until it is re-synced)."""
+    detail: str = ""
+    """Why it is not up (the last probe's or re-sync's error)."""
+
+
+@dataclass(frozen=True, slots=True)
 class EngineHealth:
     ok: bool
     """False when the engine cannot serve (closed, its worker died, or restarting)."""
@@ -205,6 +219,8 @@ class EngineHealth:
     """Why the engine is not ok (empty while it is)."""
     restarts: int = 0
     """Times the engine was started again after it died (`engines.process`)."""
+    servers: tuple[ServerState, ...] = ()
+    """A router's servers, one each (empty for a single engine)."""
 
 
 @runtime_checkable

@@ -83,6 +83,10 @@ class RemoteEngineConfig:
     label instead: it no longer serves the weights it started with."""
 
 
+NO_LABEL = object()
+"""`RemoteEngine._weight_label` of a server that cannot say which weights it serves."""
+
+
 def labelled_version(label: object, started: int) -> int:
     """The version a server serves: its weight-version label where an update through an adapter
     set one (an integer), else `started`. vLLM and SGLang label a server that no update reached
@@ -116,11 +120,15 @@ class RemoteEngine(abc.ABC):
         *,
         max_model_len: int,
         version: int = 0,
+        base_version: int | None = None,
         vocab_size: int | None = None,
         timeout: float = 600.0,
         http: EngineHTTP | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self._base_version = version if base_version is None else base_version
+        """The version of the weights the server starts with (what an unlabelled server serves:
+        a restarted one)."""
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.http = http if http is not None else EngineHTTP(self.url, timeout=timeout)
@@ -160,6 +168,11 @@ class RemoteEngine(abc.ABC):
     @abc.abstractmethod
     async def _probe(self) -> tuple[bool, int, int, str]:
         """(healthy, running, waiting, detail) as the server reports them."""
+
+    async def _weight_label(self) -> object:
+        """The server's weight-version label as it reports it now (`labelled_version` reads
+        it), or `NO_LABEL` where the server cannot say."""
+        return NO_LABEL
 
     # -- the Engine protocol ------------------------------------------------------------------
 
@@ -308,6 +321,8 @@ class RemoteEngine(abc.ABC):
             ok, running, waiting, detail = await self._probe()
         except EngineUnavailableError as exc:
             ok, running, waiting, detail = False, 0, 0, str(exc)
+        if ok:
+            await self._adopt_served_version()
         return EngineHealth(
             ok=ok and not self._closed,
             paused=not self._gate.is_set(),
@@ -316,6 +331,30 @@ class RemoteEngine(abc.ABC):
             waiting=waiting,
             detail=detail,
         )
+
+    async def _adopt_served_version(self) -> None:
+        """Believe the server about the version it serves: one restarted on its own weights
+        (unlabelled) or updated by someone else no longer serves what this adapter last loaded,
+        and every token it samples must carry the version it really has. Skipped while an update
+        of ours runs or lands meanwhile (its label is in flux)."""
+        if self._control.locked():
+            return
+        before = self._version
+        try:
+            label = await self._weight_label()
+        except (EngineUnavailableError, ValueError):  # unreachable, or not JSON: no answer
+            return
+        if label is NO_LABEL or self._control.locked() or self._version != before:
+            return
+        served = labelled_version(label, self._base_version)
+        if served != before:
+            log.warning(
+                "%s serves policy version %d, not %d (restarted, or updated by someone else)",
+                self.url,
+                served,
+                before,
+            )
+            self._version = served
 
     async def close(self) -> None:
         if self._closed:

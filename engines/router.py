@@ -5,14 +5,24 @@
   fewest outstanding requests (ours), ties broken by the server's own reported load.
 - Health: a background loop probes each server every `health_interval` s. A server that fails
   `eject_after` probes in a row (or a request with a transport error) is ejected; it is
-  re-admitted after `readmit_after` good probes.
+  re-admitted after `readmit_after` good probes at the router's version.
+- Re-sync: a server that answers at another version than the router's (it missed an update
+  while it was down or ejected, or it restarted on its own weights) is taken out of rotation at
+  once, since its tokens would carry the wrong version, and brought to the current weights: the
+  router keeps the last update it applied (a path, or the state dict itself: one copy of the
+  weights held in this process until the next update) and loads it into the server under the
+  router's version; good probes then re-admit it. A re-sync that fails is retried with backoff
+  (up to `resync_backoff_max` s apart) and the server stays out (`stale`) meanwhile: only a
+  server that cannot be brought to the current version is kept out. `health().servers` gives
+  each server's version and state (`up`, `down`, `stale`), which the gateway's metrics export.
 - Failures: a request whose server fails before producing any token is retried on another server
   (up to `retries` times); one whose server fails after producing tokens raises
   `EngineUnavailableError` (the gateway answers 503), since its tokens cannot be continued
   token-exactly elsewhere without the whole prefix, and the caller already has part of them.
 - Weight updates are coordinated: every server is interrupted first (in-flight requests are
   paused; with `drain=True` they are let finish first), then each loads the weights, all under
-  one version, then all resume. A server that fails its update is ejected and the error raised.
+  one version, then all resume. A server that fails its update is ejected (and re-synced once it
+  can be); the update raises only when no server took it.
 
 The session key is `GenerateRequest.request_id`'s prefix up to the first "/" when `session_of`
 is not given, so the gateway can route by session without a protocol change.
@@ -23,10 +33,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from engines.base import Engine, EngineHealth, GenerateRequest, TokenChunk, WeightUpdate
+from engines.base import (
+    Engine,
+    EngineHealth,
+    GenerateRequest,
+    ServerState,
+    TokenChunk,
+    WeightUpdate,
+)
 from engines.errors import EngineUnavailableError, WeightUpdateError
 
 log = logging.getLogger(__name__)
@@ -48,6 +66,19 @@ class Backend:
     reported_load: int = 0
     fails: int = 0
     goods: int = 0
+    version: int = 0
+    """The version the server last said it serves."""
+    lagging: bool = False
+    """It answers, at another version than the router's (out of rotation until re-synced)."""
+    detail: str = ""
+    """Why it is out of rotation."""
+    resync_at: float = 0.0
+    """`time.monotonic()` before which no re-sync is tried (backoff after a failed one)."""
+    resync_delay: float = 0.0
+
+    def state(self) -> ServerState:
+        name = "up" if self.healthy else "stale" if self.lagging else "down"
+        return ServerState(self.name, self.version, name, "" if self.healthy else self.detail)
 
 
 class Router:
@@ -62,6 +93,8 @@ class Router:
         readmit_after: int = 2,
         retries: int = 2,
         drain: bool = False,
+        resync_timeout: float = 600.0,
+        resync_backoff_max: float = 60.0,
         session_of: Callable[[GenerateRequest], str | None] = default_session_of,
         max_sessions: int = 100_000,
     ) -> None:
@@ -73,11 +106,18 @@ class Router:
         self.readmit_after = readmit_after
         self.retries = retries
         self.drain = drain
+        self.resync_timeout = resync_timeout
+        self.resync_backoff_max = resync_backoff_max
         self.session_of = session_of
         self.max_sessions = max_sessions
         self._affinity: dict[str, Backend] = {}
         self._where: dict[str, Backend] = {}  # live request id -> backend
-        self._version = max(b.engine.version() for b in self.backends)
+        for b in self.backends:
+            b.version = b.engine.version()
+        self._version = max(b.version for b in self.backends)
+        self._current: WeightUpdate | None = None
+        """The last update applied, pinned to its version: what a lagging server is re-synced
+        from (None before any: such a server waits for the next update)."""
         self._control = asyncio.Lock()
         self._idle = asyncio.Condition()  # notified whenever a request leaves a backend
         self._paused = False
@@ -163,13 +203,22 @@ class Router:
 
     async def pause(self) -> None:
         async with self._control:
-            await asyncio.gather(*(b.engine.pause() for b in self._up()))
+            await self._on_each_up(lambda e: e.pause())
             self._paused = True
 
     async def resume(self) -> None:
         async with self._control:
-            await asyncio.gather(*(b.engine.resume() for b in self._up()))
+            await self._on_each_up(lambda e: e.resume())
             self._paused = False
+
+    async def _on_each_up(self, call: Callable[[Engine], Awaitable[None]]) -> None:
+        """`call` on every server in rotation; one that fails is taken out (and re-synced when
+        it answers again) instead of failing the others."""
+        backends = self._up()
+        results = await asyncio.gather(*(call(b.engine) for b in backends), return_exceptions=True)
+        for b, r in zip(backends, results, strict=True):
+            if isinstance(r, Exception):
+                self._mark_failed(b, r)
 
     async def update_weights(self, update: WeightUpdate) -> int:
         """Interrupt (or drain) every healthy server, load the weights into each under one
@@ -186,7 +235,19 @@ class Router:
             if self.drain:
                 await self._drained(backends)
             if not self._paused:
-                await asyncio.gather(*(b.engine.pause() for b in backends))
+                # a server that cannot even pause (it died since the last probe) is left out:
+                # it misses this update and is re-synced once it answers again
+                paused = await asyncio.gather(
+                    *(b.engine.pause() for b in backends), return_exceptions=True
+                )
+                for b, r in zip(backends, paused, strict=True):
+                    if isinstance(r, Exception):
+                        self._mark_failed(b, r)
+                backends = [b for b in backends if b.healthy]
+                if not backends:
+                    raise EngineUnavailableError(
+                        f"no inference server could be paused for the update: {paused[0]}"
+                    )
             pinned = WeightUpdate(state_dict=update.state_dict, path=update.path, version=version)
             results = await asyncio.gather(
                 *(b.engine.update_weights(pinned) for b in backends), return_exceptions=True
@@ -203,6 +264,9 @@ class Router:
             if len(failed) == len(backends):
                 raise WeightUpdateError(f"no server took the weights: {failed[0][1]}")
             self._version = version
+            self._current = pinned
+            for b in backends:
+                b.version = b.engine.version()
             if failed:
                 log.error("ejected %s: weight update failed", [b.name for b, _ in failed])
             return version
@@ -222,30 +286,81 @@ class Router:
             log.warning("ejecting inference server %s: %s", backend.name, exc)
         backend.healthy = False
         backend.goods = 0
+        backend.detail = str(exc)
 
     async def check(self) -> None:
         """One round of health probes: eject after `eject_after` failures, re-admit after
-        `readmit_after` successes. A re-admitted server that lags the router's version gets no
-        traffic until it is updated (the next weight update reaches it)."""
+        `readmit_after` successes at the router's version; take a server that answers at
+        another version out at once and re-sync it (module docstring)."""
         healths = await asyncio.gather(
             *(b.engine.health() for b in self.backends), return_exceptions=True
         )
+        lagging = []
         for b, h in zip(self.backends, healths, strict=True):
-            ok = isinstance(h, EngineHealth) and h.ok
+            answering = isinstance(h, EngineHealth) and h.ok
             if isinstance(h, EngineHealth):
                 b.reported_load = h.running + h.waiting
-                ok = ok and h.version == self._version
-            if ok:
+                b.version = h.version
+            b.lagging = answering and b.version != self._version
+            if b.lagging:
+                b.fails = 0
+                self._mark_failed(
+                    b, RuntimeError(f"serves version {b.version}, not {self._version}")
+                )
+                lagging.append(b)
+            elif answering:
                 b.fails = 0
                 b.goods += 1
-                if not b.healthy and b.goods >= self.readmit_after:
-                    log.info("re-admitting inference server %s", b.name)
+                # not while the fleet is paused: a re-admitted server has not been paused
+                if not b.healthy and b.goods >= self.readmit_after and not self._paused:
+                    log.info("re-admitting inference server %s at version %d", b.name, b.version)
                     b.healthy = True
+                    b.detail = ""
             else:
                 b.goods = 0
                 b.fails += 1
-                if b.healthy and b.fails >= self.eject_after:
+                if b.fails >= self.eject_after:
                     self._mark_failed(b, RuntimeError(f"health: {h}"))
+        if lagging:
+            await asyncio.gather(*(self._resync(b) for b in lagging))
+
+    async def _resync(self, b: Backend) -> None:
+        """Load the last update into `b` under the router's version (no update runs meanwhile);
+        a failure backs off and leaves it out of rotation."""
+        if time.monotonic() < b.resync_at:
+            return
+        async with self._control:
+            current = self._current
+            if current is None:
+                b.detail = (
+                    f"serves version {b.version}, not {self._version}, and no update since this "
+                    "router started holds the weights to re-sync it: the next update reaches it"
+                )
+                return
+            if b.engine.version() == self._version:  # an update reached it meanwhile
+                return
+            try:
+                async with asyncio.timeout(self.resync_timeout):
+                    await b.engine.update_weights(current)
+            except Exception as exc:  # a server that cannot take the weights stays out
+                b.resync_delay = min(
+                    max(2 * b.resync_delay, self.health_interval), self.resync_backoff_max
+                )
+                b.resync_at = time.monotonic() + b.resync_delay
+                b.detail = f"re-sync to version {self._version} failed: {exc}"
+                log.error(
+                    "inference server %s cannot be brought to version %d (%s); retrying in %.0f s",
+                    b.name,
+                    self._version,
+                    exc,
+                    b.resync_delay,
+                )
+                return
+            b.version = b.engine.version()
+            b.lagging = False
+            b.resync_delay = 0.0
+            b.detail = "re-synced; re-admitted after good probes"
+            log.info("re-synced inference server %s to version %d", b.name, b.version)
 
     async def _probe_loop(self) -> None:
         while not self._closed:
@@ -267,7 +382,8 @@ class Router:
             version=self._version,
             running=sum(h.running for h in good),
             waiting=sum(h.waiting for h in good),
-            detail=", ".join(f"{b.name}:{'up' if b.healthy else 'ejected'}" for b in self.backends),
+            detail=", ".join(f"{b.name}:{b.state().state}" for b in self.backends),
+            servers=tuple(b.state() for b in self.backends),
         )
 
     async def close(self) -> None:

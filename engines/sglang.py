@@ -23,7 +23,13 @@ from typing import Any
 from engines.base import FinishReason, SamplingParams, WeightUpdate
 from engines.errors import EngineUnavailableError, WeightUpdateError
 from engines.http import EngineHTTP, Reply, raise_for_status
-from engines.remote import Piece, RemoteEngine, RemoteEngineConfig, labelled_version
+from engines.remote import (
+    NO_LABEL,
+    Piece,
+    RemoteEngine,
+    RemoteEngineConfig,
+    labelled_version,
+)
 
 _FINISH = {
     "stop": FinishReason.STOP,
@@ -59,6 +65,7 @@ class SGLangEngine(RemoteEngine):
             config.url,
             max_model_len=max_len,
             version=labelled_version(info.json().get("weight_version"), config.version),
+            base_version=config.version,
             vocab_size=config.vocab_size,
             timeout=config.timeout,
             http=http,
@@ -148,6 +155,10 @@ class SGLangEngine(RemoteEngine):
                 return
             await asyncio.sleep(0.05)
         raise WeightUpdateError("SGLang kept refusing to flush its cache")
+
+    async def _weight_label(self) -> object:
+        info = await self.http.get("/model_info", within=10)
+        return info.json().get("weight_version") if info.status == 200 else NO_LABEL
 
     async def _probe(self) -> tuple[bool, int, int, str]:
         health = await self.http.get("/health", within=10)

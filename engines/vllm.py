@@ -37,6 +37,7 @@ from engines.base import FinishReason, SamplingParams, WeightUpdate
 from engines.errors import EngineUnavailableError, WeightUpdateError
 from engines.http import EngineHTTP, Reply, raise_for_status
 from engines.remote import (
+    NO_LABEL,
     Piece,
     RemoteEngine,
     RemoteEngineConfig,
@@ -87,6 +88,7 @@ class VLLMEngine(RemoteEngine):
             config.url,
             max_model_len=max_model_len,
             version=version,
+            base_version=config.version,
             vocab_size=config.vocab_size,
             timeout=config.timeout,
             http=http,
@@ -234,6 +236,10 @@ class VLLMEngine(RemoteEngine):
         await self._post(
             "/update_weight_version", "label the weights", json={"new_version": str(version)}
         )
+
+    async def _weight_label(self) -> object:
+        info = await self.http.get("/weight_info", within=10)
+        return info.json().get("weight_version") if info.status == 200 else NO_LABEL
 
     async def _probe(self) -> tuple[bool, int, int, str]:
         health = await self.http.get("/health", within=10)

@@ -42,6 +42,9 @@ async def engine_health(engine: Engine) -> EngineHealth:
         )
 
 
+SERVER_STATES = ("up", "down", "stale")
+"""The states of a server behind a router (`engines.base.ServerState`)."""
+
 _TRAINER_FIELDS = {
     "step": "the newest training step",
     "step_seconds": "seconds the newest step took",
@@ -106,6 +109,19 @@ class GatewayMetrics:
         self.engine_waiting = Gauge(
             "rlgateway_engine_waiting", "Requests admitted, not yet started", registry=r
         )
+        self.server_version = Gauge(
+            "rlgateway_engine_server_version",
+            "Policy version each server behind the router last said it serves",
+            ["server"],
+            registry=r,
+        )
+        self.server_state = Gauge(
+            "rlgateway_engine_server_state",
+            "1 for each router server's state (up: in rotation; down: not answering; stale: "
+            "answering at another version, out of rotation until re-synced), 0 for the others",
+            ["server", "state"],
+            registry=r,
+        )
         self.run_paused = Gauge(
             "rlgateway_run_paused", "1 while a run's training is paused", ["run"], registry=r
         )
@@ -134,6 +150,14 @@ class GatewayMetrics:
         self.engine_version.set(h.version)
         self.engine_running.set(h.running)
         self.engine_waiting.set(h.waiting)
+        self.server_version.clear()
+        self.server_state.clear()
+        for server in h.servers:
+            self.server_version.labels(server=server.name).set(server.version)
+            for state in SERVER_STATES:
+                self.server_state.labels(server=server.name, state=state).set(
+                    1 if server.state == state else 0
+                )
         runs = await store.unstopped_runs()
         latest = await store.latest_steps([r.id for r in runs])
         self.run_paused.clear()

@@ -1,18 +1,27 @@
 """The router over real HTTP servers (fake SGLang servers generating with the tiny model):
 placement, affinity, ejection and re-admission, retry and mid-generation failure, coordinated
-weight updates, and the gateway's 503 when a server dies mid-generation."""
+weight updates, the gateway's 503 when a server dies mid-generation, and a server that missed an
+update brought back to the current version (re-synced) before it serves again."""
 
 from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from engines.base import FinishReason, GenerateRequest, SamplingParams, WeightUpdate, collect
+from engines.base import (
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    ServerState,
+    WeightUpdate,
+    collect,
+)
 from engines.errors import EngineUnavailableError
 from engines.router import Router
 from engines.sglang import SGLangEngine, SGLangEngineConfig
@@ -98,7 +107,7 @@ async def test_placement_affinity_update_and_failures(
         assert not bb.healthy  # ejected by the failure
         health = await router.health()
         assert health.ok
-        assert "ejected" in health.detail
+        assert [(x.name, x.state) for x in health.servers] == [(a.url, "up"), (b.url, "down")]
     finally:
         await router.close()
 
@@ -191,3 +200,100 @@ def test_gateway_answers_503_when_its_server_dies_mid_generation(
             timeout=60,
         )
         assert ok.status_code == 200, ok.text
+
+
+async def until(condition: Callable[[], bool], seconds: float = 60) -> None:
+    for _ in range(int(seconds / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+async def test_a_server_that_missed_an_update_is_resynced_before_it_serves_again(
+    two: tuple[FakeServer, FakeServer], tiny_model: Path, tmp_path: Path
+) -> None:
+    a, b = two
+    router = await router_over(a, b, eject_after=1, readmit_after=2, resync_backoff_max=0.3)
+    router.start()
+    _, bb = router.backends
+    v1 = tmp_path / "v1"
+    shutil.copytree(tiny_model, v1)
+    try:
+        b.kill()
+        await until(lambda: not bb.healthy)
+        assert await router.update_weights(WeightUpdate(path=v1)) == 1  # b is down: it misses it
+        assert bb.state().state == "down"
+
+        # b comes back on its own weights (version 0). Its weights directory is gone for now: the
+        # re-sync fails, and b stays out of rotation, "stale", however well it answers.
+        hidden = tmp_path / "hidden"
+        v1.rename(hidden)
+        port = int(b.url.rsplit(":", 1)[1])
+        with run_fake_sglang(tiny_model, port=port):
+            await until(lambda: "re-sync to version 1 failed" in bb.detail)
+            state = bb.state()
+            assert (state.state, state.version) == ("stale", 0)
+            assert "re-sync to version 1 failed" in state.detail
+            for _ in range(6):  # every request goes to a meanwhile
+                assert router.pick(req(sampling=SamplingParams(max_new_tokens=2))) is not bb
+
+            # The weights are back: the next retry loads them, good probes re-admit b at 1.
+            hidden.rename(v1)
+            await until(lambda: bb.healthy)
+            assert bb.engine.version() == 1
+            assert bb.state() == ServerState(b.url, 1, "up")
+            async with httpx.AsyncClient() as http:
+                info = (await http.get(f"{b.url}/model_info")).json()
+            assert info["weight_version"] == "1"
+            # b takes traffic again: with a busy, the next request goes to b, sampled at 1
+            ba = router.backends[0]
+            busy = asyncio.create_task(collect(router, req()))
+            await until(lambda: ba.outstanding == 1)
+            r = await collect(router, req(sampling=SamplingParams(max_new_tokens=3)))
+            assert r.versions == (1, 1, 1)
+            assert (await busy).versions[-1] == 1
+    finally:
+        await router.close()
+
+
+def test_the_gateways_metrics_show_a_missed_update_healed(tiny_model: Path, tmp_path: Path) -> None:
+    from tests.integration.test_admin_api import parse_prometheus
+
+    v1 = tmp_path / "v1"
+    shutil.copytree(tiny_model, v1)
+    with (
+        run_fake_sglang(tiny_model) as a,
+        run_fake_sglang(tiny_model) as b,
+        run_gateway(
+            tiny_model,
+            tmp_path,
+            extra_args=["--engine", "sglang", "--engine-url", a.url, "--engine-url", b.url],
+        ) as gw,
+    ):
+
+        def servers() -> dict[str, tuple[float, str]]:
+            samples = parse_prometheus(gw.client.get("/metrics").text)
+            out = {}
+            for s in (a, b):
+                version = samples[f'rlgateway_engine_server_version{{server="{s.url}"}}']
+                [state] = [
+                    st
+                    for st in ("up", "down", "stale")
+                    if samples[f'rlgateway_engine_server_state{{server="{s.url}",state="{st}"}}']
+                ]
+                out[s.url] = (version, state)
+            return out
+
+        assert servers() == {a.url: (0, "up"), b.url: (0, "up")}
+        b.kill()
+        r = gw.client.post("/admin/weights", json={"path": str(v1), "version": 1})
+        assert r.status_code == 200, r.text
+        port = int(b.url.rsplit(":", 1)[1])
+        with run_fake_sglang(tiny_model, port=port):
+            deadline = time.monotonic() + 90
+            while servers()[b.url] != (1, "up"):
+                assert time.monotonic() < deadline, servers()
+                time.sleep(0.2)
+            assert servers() == {a.url: (1, "up"), b.url: (1, "up")}
+            assert httpx.get(f"{b.url}/model_info").json()["weight_version"] == "1"
