@@ -7,22 +7,28 @@ server runs with `--incremental-streaming-output`; `meta_info.completion_tokens`
 entries are new either way.
 
 Control: `/pause_generation {"mode":"abort"}` and `/continue_generation` around a weight update,
-`/abort_request {"rid"}`, `/update_weights_from_disk`, `/init_weights_update_group` +
-`/update_weights_from_distributed` (the trainer broadcasts meanwhile), `/flush_cache` (400 while
-requests run: retried), `/health`. In-flight requests survive updates as `engines.remote` says.
+`/abort_request {"rid"}`, `/update_weights_from_disk` (an in-process state dict is first written
+as a model directory: the server must share this machine's filesystem),
+`/init_weights_update_group` + `/update_weights_from_distributed` (the trainer broadcasts
+meanwhile), `/flush_cache` (400 while requests run: retried), `/health`. In-flight requests
+survive updates as `engines.remote` says.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from engines.base import FinishReason, SamplingParams, WeightUpdate
 from engines.errors import EngineUnavailableError, WeightUpdateError
 from engines.http import EngineHTTP, Reply, raise_for_status
+from engines.launch import SupervisedServer
 from engines.remote import (
     NO_LABEL,
     Piece,
@@ -30,6 +36,9 @@ from engines.remote import (
     RemoteEngineConfig,
     labelled_version,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 _FINISH = {
     "stop": FinishReason.STOP,
@@ -46,6 +55,14 @@ class SGLangEngineConfig(RemoteEngineConfig):
 
 class SGLangEngine(RemoteEngine):
     """Build with `await SGLangEngine.connect(config)`."""
+
+    server: SupervisedServer | None = None
+    """A server this engine launched (`engines.sglang_launch`); `close` stops it."""
+
+    async def close(self) -> None:
+        await super().close()
+        if self.server is not None:
+            await self.server.stop()
 
     @classmethod
     async def connect(cls, config: SGLangEngineConfig) -> SGLangEngine:
@@ -134,18 +151,27 @@ class SGLangEngine(RemoteEngine):
         await self._post("/continue_generation", "continue", json={})
 
     async def _load_weights(self, update: WeightUpdate, version: int) -> None:
-        if update.path is None:
-            raise WeightUpdateError(
-                "SGLang loads weights from a directory (WeightUpdate.path) or over NCCL "
-                "(update_weights_from_distributed), not from an in-process state dict"
+        if update.path is not None:
+            await self._load_dir(update.path, version)
+            return
+        # An in-process state dict (`serve --train`): written as a model directory, the weights
+        # beside the server's own config files, on a filesystem the server shares.
+        assert update.state_dict is not None
+        info = await self.http.get("/model_info", within=30)
+        raise_for_status(info, "GET /model_info")
+        tmp = Path(tempfile.mkdtemp(prefix="rlgateway-weights-"))
+        try:
+            await asyncio.to_thread(
+                write_model_dir, update.state_dict, Path(info.json()["model_path"]), tmp
             )
-        body = {
-            "model_path": str(update.path),
-            "weight_version": str(version),
-            "flush_cache": True,
-        }
+            await self._load_dir(tmp, version)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    async def _load_dir(self, path: Path, version: int) -> None:
+        body = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
         r = await self.http.post("/update_weights_from_disk", json=body)
-        _check_success(r, f"load weights from {update.path}")
+        _check_success(r, f"load weights from {path}")
         await self._flush_cache()
 
     async def _flush_cache(self) -> None:
@@ -262,3 +288,18 @@ def _piece(meta: dict[str, Any], seen: int, k: int) -> Piece:
     reason = meta.get("finish_reason")
     finish = _FINISH.get(reason["type"], FinishReason.STOP) if reason else None
     return Piece(ids, logprobs, tops, finish)
+
+
+def write_model_dir(state_dict: Mapping[str, torch.Tensor], config_from: Path, out: Path) -> None:
+    """`state_dict` as a model directory SGLang's `update_weights_from_disk` reads: the weights as
+    model.safetensors, with the JSON files (config, generation config) of `config_from`, the
+    directory the server was started on, when this machine sees it."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if config_from.is_dir():
+        for f in config_from.glob("*.json"):
+            if not f.name.endswith(".index.json"):  # the shards' index names files not here
+                shutil.copy2(f, out / f.name)

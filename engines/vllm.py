@@ -46,7 +46,7 @@ from engines.remote import (
 )
 
 if TYPE_CHECKING:
-    from engines.vllm_launch import VLLMServer
+    from engines.launch import SupervisedServer
 
 _FINISH = {
     "stop": FinishReason.STOP,
@@ -98,7 +98,7 @@ class VLLMEngine(RemoteEngine):
         self.api = api
         """The generation route in use (`VLLMEngineConfig.api`, resolved)."""
         self._route = _ROUTES[api]
-        self.server: VLLMServer | None = None
+        self.server: SupervisedServer | None = None
         """A server this engine launched (`engines.vllm_launch`); `close` stops it."""
 
     @classmethod

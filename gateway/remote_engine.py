@@ -3,19 +3,24 @@
 The gateway still owns tokenization: it loads the tokenizer (and the end-of-turn ids) from the
 model directory (`--model`, else the tiny model), which must be the model the servers serve; the
 servers start at that directory's policy version (`engines.policy.served_version`).
-With `--engine-launch` it starts and supervises a local vLLM server on that directory first.
+With `--engine-launch` it starts and supervises a local vLLM or SGLang server on that directory
+first.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engines.base import Engine
 
 if TYPE_CHECKING:
+    from engines.launch import SupervisedServer
+    from engines.sglang import SGLangEngine
+    from engines.vllm import VLLMEngine
     from gateway.deps import Components
     from gateway.settings import GatewaySettings
 
@@ -43,22 +48,39 @@ async def connect_engine(settings: GatewaySettings, model_dir: Path, vocab_size:
     version = served_version(model_dir, settings.policy_version)
     if not settings.engine_launch:
         return await connect_servers(settings.engine, settings.engine_urls, vocab_size, version)
-    from engines.vllm import VLLMEngine, VLLMEngineConfig
-    from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
+    common: dict[str, Any] = {
+        "model": str(model_dir),
+        "served_model_name": settings.served_model_name or model_dir.name,
+        "max_model_len": settings.max_model_len,
+    }
+    server: SupervisedServer
+    connect: Callable[[str], Awaitable[VLLMEngine | SGLangEngine]]
+    if settings.engine == "sglang":
+        from engines.sglang import SGLangEngine, SGLangEngineConfig
+        from engines.sglang_launch import SGLangLaunchConfig, SGLangServer
 
-    assert settings.engine == "vllm", "validated by the CLI"
-    cfg = VLLMLaunchConfig(
-        model=str(model_dir),
-        python=settings.vllm_python or sys.executable,
-        served_model_name=settings.served_model_name or model_dir.name,
-        max_model_len=settings.max_model_len,
-    )
-    server = VLLMServer(cfg)
+        python = settings.sglang_python or sys.executable
+        server = SGLangServer(SGLangLaunchConfig(python=python, **common))
+
+        def connect(url: str) -> Awaitable[SGLangEngine]:
+            cfg = SGLangEngineConfig(url=url, vocab_size=vocab_size, version=version)
+            return SGLangEngine.connect(cfg)
+    else:
+        from engines.vllm import VLLMEngine, VLLMEngineConfig
+        from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
+
+        assert settings.engine == "vllm", "validated by the CLI"
+        python = settings.vllm_python or sys.executable
+        server = VLLMServer(VLLMLaunchConfig(python=python, **common))
+
+        def connect(url: str) -> Awaitable[VLLMEngine]:
+            return VLLMEngine.connect(
+                VLLMEngineConfig(url=url, vocab_size=vocab_size, version=version)
+            )
+
     await server.start()
     try:
-        engine = await VLLMEngine.connect(
-            VLLMEngineConfig(url=server.url, vocab_size=vocab_size, version=version)
-        )
+        engine = await connect(server.url)
     except BaseException:
         await server.stop()
         raise

@@ -46,9 +46,11 @@ class GatewaySettings(BaseSettings):
     engine_urls: list[str] = []
     """vLLM/SGLang server URLs; more than one puts a router in front of them."""
     engine_launch: bool = False
-    """Start and supervise a local vLLM server on `model` (needs `vllm_python`)."""
+    """Start and supervise a local vLLM or SGLang server (`engine`) on `model`."""
     vllm_python: str | None = None
     """The interpreter of a venv with vLLM, for `engine_launch` (default: this one)."""
+    sglang_python: str | None = None
+    """The interpreter of a venv with SGLang, for `engine_launch` (default: this one)."""
     policy_version: int | None = Field(None, ge=0)
     """The policy version of the model's weights, which the tokens sampled before the first
     weight update carry; None: the model directory's `rlgateway_policy.json` version (written by

@@ -108,9 +108,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--engine-launch",
         action="store_true",
         default=None,
-        help="start and supervise a local vLLM server on --model (with --engine vllm)",
+        help="start and supervise a local vLLM or SGLang server (--engine) on --model",
     )
     serve.add_argument("--vllm-python", help="Python of a venv with vLLM, for --engine-launch")
+    serve.add_argument(
+        "--sglang-python", help="Python of a venv with SGLang, for --engine sglang --engine-launch"
+    )
     serve.add_argument(
         "--policy-version",
         type=int,
@@ -197,9 +200,12 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     demo.add_argument(
         "--engine-launch",
         action="store_true",
-        help="start and supervise a local vLLM server on --model (with --engine vllm)",
+        help="start and supervise a local vLLM or SGLang server (--engine) on --model",
     )
     demo.add_argument("--vllm-python", help="Python of a venv with vLLM, for --engine-launch")
+    demo.add_argument(
+        "--sglang-python", help="Python of a venv with SGLang, for --engine sglang --engine-launch"
+    )
     demo.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="run config overrides (as for train)"
     )

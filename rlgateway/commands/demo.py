@@ -85,6 +85,7 @@ def demo_options(args: argparse.Namespace) -> DemoOptions:
             "engine_urls": args.engine_urls,
             "engine_launch": args.engine_launch,
             "vllm_python": args.vllm_python,
+            "sglang_python": args.sglang_python,
         },
     )
 
@@ -104,8 +105,6 @@ def _check(args: argparse.Namespace) -> None:
             raise CLIError(f"--engine {args.engine} needs --model DIR: the model its servers serve")
         if not args.engine_urls and not args.engine_launch:
             raise CLIError(f"--engine {args.engine} needs --engine-url URL (or --engine-launch)")
-        if args.engine_launch and args.engine != "vllm":
-            raise CLIError("--engine-launch starts vLLM only: use it with --engine vllm")
     if args.model and not (Path(args.model) / "config.json").is_file():
         raise CLIError(f"{args.model} is not a Hugging Face model directory (no config.json)")
     from trainer.algorithms.config import PRESETS

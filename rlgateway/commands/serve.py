@@ -38,6 +38,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "engine_urls": args.engine_urls,
             "engine_launch": args.engine_launch,
             "vllm_python": args.vllm_python,
+            "sglang_python": args.sglang_python,
             "policy_version": args.policy_version,
         }.items()
         if v is not None
@@ -126,14 +127,12 @@ def _check_engine(settings: GatewaySettings) -> None:
             raise CLIError("--engine-url and --engine-launch go with --engine vllm or sglang")
         return
     if settings.engine_launch:
-        if settings.engine != "vllm":
-            raise CLIError("--engine-launch starts vLLM only: use --engine vllm")
         if settings.engine_urls:
             raise CLIError("give either --engine-launch or --engine-url, not both")
     elif not settings.engine_urls:
         raise CLIError(
             f"--engine {settings.engine} needs --engine-url URL (a running server), "
-            "or --engine-launch to start a local vLLM"
+            f"or --engine-launch to start a local {settings.engine} server"
         )
 
 

@@ -144,6 +144,40 @@ async def test_weight_update_from_disk_resubmits_in_flight_requests(
         assert list(r.logprobs[swap_at:]) == pytest.approx(new[swap_at:], abs=ATOL)
 
 
+async def test_an_in_process_state_dict_is_served(
+    tiny_model: Path, trained_dir: Path, tmp_path: Path
+) -> None:
+    """`serve --train --engine sglang`: the trainer hands over a state dict, which the adapter
+    writes as a model directory (weights beside the server's config files) and loads from disk."""
+    from safetensors.torch import load_file
+
+    from engines.sglang import write_model_dir
+
+    state = load_file(str(trained_dir / "model.safetensors"))
+    with run_fake_sglang(tiny_model) as server:
+        engine = await connect(server.url)
+        try:
+            assert await engine.update_weights(WeightUpdate(state_dict=state)) == 1
+            sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+            r = await collect(engine, GenerateRequest(prompt_ids=PROMPT, sampling=sampling))
+        finally:
+            await engine.close()
+    assert r.versions == (1,) * 8
+    tokens = list(PROMPT + r.token_ids)
+    new = teacher_forced(trained_dir, tokens, 1.0)[len(PROMPT) :]
+    assert list(r.logprobs) == pytest.approx(new, abs=ATOL)
+    # what SGLang reads: the weights and the server's own config, not the shards' index
+    (tmp_path / "served").mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors.index.json"):
+        (tmp_path / "served" / name).write_text("{}")
+    write_model_dir(state, tmp_path / "served", tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -234,30 +268,39 @@ async def test_pause_holds_requests_and_resume_continues_them(fake: FakeServer) 
 # -- real SGLang (GPU machines) ---------------------------------------------------------------
 
 
-def _sglang_available() -> bool:
+def _sglang_python() -> str | None:
+    """An interpreter with SGLang: `$RLGATEWAY_SGLANG_PYTHON` (its own venv, as `rlgateway serve
+    --sglang-python` takes it), else this one if it has the package."""
     import importlib.util
+    import sys
 
-    return torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None
+    if os.environ.get("RLGATEWAY_SGLANG_PYTHON"):
+        return os.environ["RLGATEWAY_SGLANG_PYTHON"]
+    return sys.executable if importlib.util.find_spec("sglang") is not None else None
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sglang_available(), reason="needs CUDA and the sglang package")
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and _sglang_python()),
+    reason="needs CUDA and SGLang ($RLGATEWAY_SGLANG_PYTHON or the sglang package)",
+)
 def test_real_sglang_generates_and_swaps_weights(
     tiny_model: Path, trained_dir: Path, tmp_path: Path
 ) -> None:
-    import subprocess
-    import sys
-    import time
+    from engines.sglang_launch import SGLangLaunchConfig, SGLangServer
 
-    import httpx
-
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model)]
-    cmd += ["--port", str(port), "--host", "127.0.0.1", "--dtype", "float32"]
+    python = _sglang_python()
+    assert python is not None
+    # the server the gateway's --engine-launch starts, from SGLang's own interpreter
+    cfg = SGLangLaunchConfig(
+        model=str(tiny_model), python=python, dtype="float32", log_file=str(tmp_path / "sglang.log")
+    )
 
     async def scenario() -> Any:
-        engine = await connect(url)
+        server = SGLangServer(cfg, max_restarts=0)
+        await server.start(startup_s=600)
+        engine = await connect(server.url)
+        engine.server = server  # closing the engine stops the server
         try:
             sampling = SamplingParams(max_new_tokens=400, ignore_eos=True)
             req = GenerateRequest(prompt_ids=PROMPT, sampling=sampling)
@@ -268,20 +311,7 @@ def test_real_sglang_generates_and_swaps_weights(
         finally:
             await engine.close()
 
-    with open(tmp_path / "sglang.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
-        try:
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(1)
-            r = asyncio.run(scenario())
-        finally:
-            proc.kill()
-            proc.wait()
+    r = asyncio.run(scenario())
     assert len(r.token_ids) == 400
     assert r.versions[-1] == 1
     tokens = list(PROMPT + r.token_ids)

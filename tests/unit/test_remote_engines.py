@@ -114,7 +114,7 @@ def test_gateway_request_ids_carry_the_session_for_affinity() -> None:
     [
         (["--engine", "vllm"], "needs --engine-url"),
         (["--engine-url", "http://x"], "go with --engine vllm or sglang"),
-        (["--engine", "sglang", "--engine-launch"], "starts vLLM only"),
+        (["--engine", "sglang", "--engine-launch", "--engine-url", "http://x"], "not both"),
         (["--engine", "vllm", "--engine-launch", "--engine-url", "http://x"], "not both"),
     ],
 )
