@@ -176,19 +176,59 @@ class GenerateResult:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """One tensor of a broadcast: its HF checkpoint name, torch dtype name (`float32`,
+    `bfloat16`, ...) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightGroup:
+    """A process group for weight broadcasts: the trainer is rank 0 and opens the rendezvous
+    (a `torch.distributed.TCPStore` at `master_address:master_port`); the engines' workers take
+    ranks 1 .. world_size - 1. `backend` is the torch.distributed backend of both sides ("nccl"
+    between GPUs, "gloo" on CPU); `timeout_s` bounds the join and every broadcast."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    backend: str = "nccl"
+    name: str = "rlgateway-weights"
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Broadcast:
+    """Weights that arrive over the engine's `WeightGroup` while its rank 0 sends them: the
+    tensors in this order, one `broadcast` each, cut into buckets that the server receives and
+    loads one at a time (so its memory for the transfer is bounded by the largest bucket)."""
+
+    buckets: tuple[tuple[TensorMeta, ...], ...]
+
+    def tensors(self) -> tuple[TensorMeta, ...]:
+        return tuple(t for bucket in self.buckets for t in bucket)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WeightUpdate:
     """New policy weights. Exactly one of `state_dict` (in-process tensors, names as in the HF
-    checkpoint) or `path` (a HF model directory with safetensors files) is set. `version`, when
+    checkpoint), `path` (a HF model directory with safetensors files) or `broadcast` (tensors
+    sent over the engine's weight group meanwhile: remote servers only) is set. `version`, when
     given, must be greater than the engine's current version; None means current + 1."""
 
     state_dict: Mapping[str, torch.Tensor] | None = None
     path: Path | None = None
+    broadcast: Broadcast | None = None
     version: int | None = None
 
     def __post_init__(self) -> None:
-        if (self.state_dict is None) == (self.path is None):
-            raise ValueError("a WeightUpdate carries exactly one of state_dict or path")
+        given = (self.state_dict is not None, self.path is not None, self.broadcast is not None)
+        if sum(given) != 1:
+            raise ValueError("a WeightUpdate carries exactly one of state_dict, path or broadcast")
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +297,26 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Abort every live request and release resources. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class WeightGroupMember(Protocol):
+    """An engine whose servers can receive weights over a process group (`WeightGroup`): the
+    remote adapters, and the router over them. The in-process engines are not: they take state
+    dicts."""
+
+    async def weight_group_ranks(self) -> int:
+        """How many ranks of a weight group this engine's servers take (their workers)."""
+        ...
+
+    def weight_group_intact(self) -> bool:
+        """Whether the group joined last can take a broadcast now (every server in it)."""
+        ...
+
+    async def join_weight_group(self, group: WeightGroup, rank_offset: int = 1) -> None:
+        """Join `group` with ranks from `rank_offset` on; blocks until its rank 0 joins too, so
+        run it beside the trainer's side. Raises `WeightUpdateError` when any server cannot."""
         ...
 
 

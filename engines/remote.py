@@ -32,11 +32,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from engines.base import (
+    Broadcast,
     EngineHealth,
     FinishReason,
     GenerateRequest,
     SamplingParams,
     TokenChunk,
+    WeightGroup,
     WeightUpdate,
 )
 from engines.errors import (
@@ -140,6 +142,8 @@ class RemoteEngine(abc.ABC):
         self._control = asyncio.Lock()  # one pause/resume/update at a time
         self._live: dict[str, _Live] = {}
         self._closed = False
+        self._group: WeightGroup | None = None
+        """The weight group this server joined (None: none, or a transfer broke it)."""
 
     # -- what a server adapter provides -------------------------------------------------------
 
@@ -163,7 +167,8 @@ class RemoteEngine(abc.ABC):
 
     @abc.abstractmethod
     async def _load_weights(self, update: WeightUpdate, version: int) -> None:
-        """With the server paused: load `update`, drop cached prefixes, label it `version`."""
+        """With the server paused: load `update` (a path or a state dict), drop cached
+        prefixes, label it `version`."""
 
     @abc.abstractmethod
     async def _probe(self) -> tuple[bool, int, int, str]:
@@ -173,6 +178,54 @@ class RemoteEngine(abc.ABC):
         """The server's weight-version label as it reports it now (`labelled_version` reads
         it), or `NO_LABEL` where the server cannot say."""
         return NO_LABEL
+
+    async def weight_group_ranks(self) -> int:
+        """How many ranks of a weight group the server's workers take."""
+        return 1
+
+    def weight_group_intact(self) -> bool:
+        return self._group is not None
+
+    async def join_weight_group(self, group: WeightGroup, rank_offset: int = 1) -> None:
+        async with self._control:
+            self._group = None
+            try:
+                async with asyncio.timeout(group.timeout_s):
+                    await self._join_group(group, rank_offset)
+            except (TimeoutError, EngineUnavailableError) as exc:
+                raise WeightUpdateError(
+                    f"{self.url} did not join the weight group {group.name} at "
+                    f"{group.master_address}:{group.master_port} within {group.timeout_s:g} s: "
+                    f"{str(exc) or 'timed out'}"
+                ) from exc
+            self._group = group
+
+    async def _join_group(self, group: WeightGroup, rank_offset: int) -> None:
+        raise WeightUpdateError(f"{type(self).__name__} cannot join a weight group")
+
+    async def _receive(self, broadcast: Broadcast, group: WeightGroup, version: int) -> None:
+        """With the server paused: receive `broadcast` bucket by bucket over `group` (its rank
+        0 sends meanwhile), drop cached prefixes, label it `version`."""
+        raise WeightUpdateError(f"{type(self).__name__} cannot receive weights over a group")
+
+    async def _load_broadcast(self, broadcast: Broadcast, version: int) -> None:
+        group = self._group
+        if group is None:
+            raise WeightUpdateError(
+                f"{self.url} is in no weight group: join one first (POST /admin/weights/group)"
+            )
+        try:
+            async with asyncio.timeout(group.timeout_s):
+                await self._receive(broadcast, group, version)
+        except (TimeoutError, EngineUnavailableError) as exc:
+            self._group = None  # a broken transfer breaks the group: it must be formed again
+            raise WeightUpdateError(
+                f"{self.url} did not receive the weights over {group.name} within "
+                f"{group.timeout_s:g} s: {str(exc) or 'timed out'}"
+            ) from exc
+        except WeightUpdateError:
+            self._group = None
+            raise
 
     # -- the Engine protocol ------------------------------------------------------------------
 
@@ -294,7 +347,10 @@ class RemoteEngine(abc.ABC):
             if not self._paused:
                 await self._interrupt()
             try:
-                await self._load_weights(update, version)
+                if update.broadcast is not None:
+                    await self._load_broadcast(update.broadcast, version)
+                else:
+                    await self._load_weights(update, version)
                 self._version = version
             finally:
                 if not self._paused:

@@ -38,11 +38,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from engines.base import (
+    Broadcast,
     Engine,
     EngineHealth,
     GenerateRequest,
     ServerState,
     TokenChunk,
+    WeightGroup,
+    WeightGroupMember,
     WeightUpdate,
 )
 from engines.errors import EngineUnavailableError, WeightUpdateError
@@ -75,6 +78,16 @@ class Backend:
     resync_at: float = 0.0
     """`time.monotonic()` before which no re-sync is tried (backoff after a failed one)."""
     resync_delay: float = 0.0
+    dirty: bool = False
+    """A broadcast into it failed part-way: whatever its label says, its weights are mixed, and
+    it stays out until re-synced."""
+    in_group: bool = False
+    """It joined the router's current weight group."""
+
+    @property
+    def answering(self) -> bool:
+        """In rotation, or out only for its version (its server answers)."""
+        return self.healthy or self.lagging
 
     def state(self) -> ServerState:
         name = "up" if self.healthy else "stale" if self.lagging else "down"
@@ -118,6 +131,8 @@ class Router:
         self._current: WeightUpdate | None = None
         """The last update applied, pinned to its version: what a lagging server is re-synced
         from (None before any: such a server waits for the next update)."""
+        self._group: WeightGroup | None = None
+        """The weight group the servers joined last (None: none, or a broadcast broke it)."""
         self._control = asyncio.Lock()
         self._idle = asyncio.Condition()  # notified whenever a request leaves a backend
         self._paused = False
@@ -222,14 +237,19 @@ class Router:
 
     async def update_weights(self, update: WeightUpdate) -> int:
         """Interrupt (or drain) every healthy server, load the weights into each under one
-        version, resume them all. Returns that version."""
+        version, resume them all. Returns that version. A broadcast goes to every member of
+        the weight group at once, all or nothing (`_broadcast`)."""
         async with self._control:
             version = update.version if update.version is not None else self._version + 1
             if version <= self._version:
                 raise WeightUpdateError(
                     f"version {version} is not newer than the current version {self._version}"
                 )
-            backends = self._up()
+            if update.broadcast is not None:
+                return await self._broadcast(update.broadcast, version)
+            # a server out of rotation only for its version takes the update too: it is then
+            # current, and good probes re-admit it
+            backends = [b for b in self.backends if b.answering]
             if not backends:
                 raise EngineUnavailableError("no healthy inference server to update")
             if self.drain:
@@ -243,7 +263,9 @@ class Router:
                 for b, r in zip(backends, paused, strict=True):
                     if isinstance(r, Exception):
                         self._mark_failed(b, r)
-                backends = [b for b in backends if b.healthy]
+                backends = [
+                    b for b, r in zip(backends, paused, strict=True) if not isinstance(r, Exception)
+                ]
                 if not backends:
                     raise EngineUnavailableError(
                         f"no inference server could be paused for the update: {paused[0]}"
@@ -267,9 +289,100 @@ class Router:
             self._current = pinned
             for b in backends:
                 b.version = b.engine.version()
+                b.dirty = b.dirty and b in dict(failed)
             if failed:
                 log.error("ejected %s: weight update failed", [b.name for b, _ in failed])
             return version
+
+    # -- the weight group ---------------------------------------------------------------------
+
+    async def weight_group_ranks(self) -> int:
+        """The ranks of every answering server (in rotation, or out for its version only)."""
+        members = [b for b in self.backends if b.answering]
+        ranks = await asyncio.gather(*(_ranks(b.engine) for b in members))
+        return sum(ranks)
+
+    def weight_group_intact(self) -> bool:
+        """Whether a broadcast can go now: a group was joined, every answering server is in it,
+        and every member answers (a server restarted since has left it)."""
+        if self._group is None:
+            return False
+        return all(b.in_group == b.answering for b in self.backends)
+
+    async def join_weight_group(self, group: WeightGroup, rank_offset: int = 1) -> None:
+        """Every answering server joins `group`, ranks handed out in server order. All or
+        nothing: one that cannot join fails the group (the trainer forms it again)."""
+        async with self._control:
+            self._group = None
+            for b in self.backends:
+                b.in_group = False
+            members = [b for b in self.backends if b.answering]
+            if not members:
+                raise EngineUnavailableError("no inference server answers: none can join")
+            ranks = await asyncio.gather(*(_ranks(b.engine) for b in members))
+            if rank_offset + sum(ranks) != group.world_size:
+                raise WeightUpdateError(
+                    f"the weight group has {group.world_size} ranks, but the trainer's "
+                    f"{rank_offset} and the servers' {sum(ranks)} make "
+                    f"{rank_offset + sum(ranks)}: ask for the group's size again"
+                )
+            offsets = [rank_offset + sum(ranks[:i]) for i in range(len(members))]
+            joined = await asyncio.gather(
+                *(
+                    _member(b.engine).join_weight_group(group, offset)
+                    for b, offset in zip(members, offsets, strict=True)
+                ),
+                return_exceptions=True,
+            )
+            failed = [
+                (b, r) for b, r in zip(members, joined, strict=True) if isinstance(r, Exception)
+            ]
+            if failed:
+                names = ", ".join(f"{b.name} ({r})" for b, r in failed)
+                raise WeightUpdateError(f"the weight group was not formed: {names}")
+            for b in members:
+                b.in_group = True
+            self._group = group
+
+    async def _broadcast(self, broadcast: Broadcast, version: int) -> int:
+        """Every member receives the same broadcast at once. All or nothing: if any member
+        fails, the version stays, the group is gone, and every member is out until re-synced
+        from the last update that holds its weights (a server that took only part of them
+        serves mixed weights)."""
+        if not self.weight_group_intact():
+            outside = [b.name for b in self.backends if b.answering and not b.in_group]
+            gone = [b.name for b in self.backends if b.in_group and not b.answering]
+            raise WeightUpdateError(
+                "the weight group must be formed again before a broadcast"
+                + (f": {outside} answer outside it" if outside else "")
+                + (f": {gone} left it" if gone else "")
+            )
+        members = [b for b in self.backends if b.in_group]
+        if self.drain:
+            await self._drained([b for b in members if b.healthy])
+        results = await asyncio.gather(
+            *(
+                b.engine.update_weights(WeightUpdate(broadcast=broadcast, version=version))
+                for b in members
+            ),
+            return_exceptions=True,
+        )
+        failed = [(b, r) for b, r in zip(members, results, strict=True) if isinstance(r, Exception)]
+        if failed:
+            self._group = None
+            for b in members:
+                b.in_group = False
+                b.dirty = True
+                b.lagging = True
+                self._mark_failed(b, RuntimeError(f"a broadcast of version {version} failed"))
+            names = ", ".join(f"{b.name} ({r})" for b, r in failed)
+            raise WeightUpdateError(f"the broadcast of version {version} failed: {names}")
+        self._version = version
+        self._current = None  # a broadcast cannot be replayed: the next update re-syncs
+        for b in members:
+            b.version = b.engine.version()
+            b.dirty = False
+        return version
 
     async def _drained(self, backends: list[Backend], drain_s: float = 300) -> None:
         with contextlib.suppress(TimeoutError):
@@ -301,12 +414,15 @@ class Router:
             if isinstance(h, EngineHealth):
                 b.reported_load = h.running + h.waiting
                 b.version = h.version
-            b.lagging = answering and b.version != self._version
+            b.lagging = answering and (b.version != self._version or b.dirty)
             if b.lagging:
                 b.fails = 0
-                self._mark_failed(
-                    b, RuntimeError(f"serves version {b.version}, not {self._version}")
+                why = (
+                    "took part of a failed broadcast"
+                    if b.dirty
+                    else (f"serves version {b.version}, not {self._version}")
                 )
+                self._mark_failed(b, RuntimeError(why))
                 lagging.append(b)
             elif answering:
                 b.fails = 0
@@ -337,7 +453,7 @@ class Router:
                     "router started holds the weights to re-sync it: the next update reaches it"
                 )
                 return
-            if b.engine.version() == self._version:  # an update reached it meanwhile
+            if b.engine.version() == self._version and not b.dirty:  # an update reached it
                 return
             try:
                 async with asyncio.timeout(self.resync_timeout):
@@ -358,6 +474,7 @@ class Router:
                 return
             b.version = b.engine.version()
             b.lagging = False
+            b.dirty = False
             b.resync_delay = 0.0
             b.detail = "re-synced; re-admitted after good probes"
             log.info("re-synced inference server %s to version %d", b.name, b.version)
@@ -394,3 +511,13 @@ class Router:
             self._probe_task.cancel()
             await asyncio.gather(self._probe_task, return_exceptions=True)
         await asyncio.gather(*(b.engine.close() for b in self.backends), return_exceptions=True)
+
+
+def _member(engine: Engine) -> WeightGroupMember:
+    if not isinstance(engine, WeightGroupMember):
+        raise WeightUpdateError(f"{type(engine).__name__} cannot join a weight group")
+    return engine
+
+
+async def _ranks(engine: Engine) -> int:
+    return await _member(engine).weight_group_ranks()

@@ -9,9 +9,9 @@ entries are new either way.
 Control: `/pause_generation {"mode":"abort"}` and `/continue_generation` around a weight update,
 `/abort_request {"rid"}`, `/update_weights_from_disk` (an in-process state dict is first written
 as a model directory: the server must share this machine's filesystem),
-`/init_weights_update_group` + `/update_weights_from_distributed` (the trainer broadcasts
-meanwhile), `/flush_cache` (400 while requests run: retried), `/health`. In-flight requests
-survive updates as `engines.remote` says.
+`/init_weights_update_group` + `/update_weights_from_distributed` per bucket (the weight
+group: the trainer broadcasts meanwhile), `/flush_cache` (400 while requests run: retried),
+`/health`. In-flight requests survive updates as `engines.remote` says.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import asyncio
 import json
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.base import FinishReason, SamplingParams, WeightUpdate
+from engines.base import Broadcast, FinishReason, SamplingParams, WeightGroup, WeightUpdate
 from engines.errors import EngineUnavailableError, WeightUpdateError
 from engines.http import EngineHTTP, Reply, raise_for_status
 from engines.launch import SupervisedServer
@@ -38,7 +38,7 @@ from engines.remote import (
 )
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 _FINISH = {
     "stop": FinishReason.STOP,
@@ -58,6 +58,9 @@ class SGLangEngine(RemoteEngine):
 
     server: SupervisedServer | None = None
     """A server this engine launched (`engines.sglang_launch`); `close` stops it."""
+    _model_path: Path | None = None
+    """The directory the server was started on (`/model_info`, read at connect): its config
+    files go beside in-process weights written for it."""
 
     async def close(self) -> None:
         await super().close()
@@ -78,7 +81,7 @@ class SGLangEngine(RemoteEngine):
         except BaseException:
             await http.close()
             raise
-        return cls(
+        engine = cls(
             config.url,
             max_model_len=max_len,
             version=labelled_version(info.json().get("weight_version"), config.version),
@@ -87,6 +90,9 @@ class SGLangEngine(RemoteEngine):
             timeout=config.timeout,
             http=http,
         )
+        if info.json().get("model_path"):
+            engine._model_path = Path(info.json()["model_path"])
+        return engine
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -156,17 +162,21 @@ class SGLangEngine(RemoteEngine):
             return
         # An in-process state dict (`serve --train`): written as a model directory, the weights
         # beside the server's own config files, on a filesystem the server shares.
+        from engines.weights import save_model_dir
+
         assert update.state_dict is not None
-        info = await self.http.get("/model_info", within=30)
-        raise_for_status(info, "GET /model_info")
-        tmp = Path(tempfile.mkdtemp(prefix="rlgateway-weights-"))
+        if self._model_path is None:
+            info = await self.http.get("/model_info", within=30)
+            raise_for_status(info, "GET /model_info")
+            self._model_path = Path(info.json()["model_path"])
+        root = Path(tempfile.mkdtemp(prefix="rlgateway-weights-"))
         try:
             await asyncio.to_thread(
-                write_model_dir, update.state_dict, Path(info.json()["model_path"]), tmp
+                save_model_dir, update.state_dict, root / "model", self._model_path
             )
-            await self._load_dir(tmp, version)
+            await self._load_dir(root / "model", version)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
 
     async def _load_dir(self, path: Path, version: int) -> None:
         body = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
@@ -198,67 +208,46 @@ class SGLangEngine(RemoteEngine):
                 waiting += int(load.get("num_waiting_reqs", 0))
         return True, running, waiting, ""
 
-    # -- distributed weight transfer -----------------------------------------------------------
+    # -- the weight group: `/init_weights_update_group`, `/update_weights_from_distributed` ----
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None:
-        """Join the trainer's group (the trainer is rank 0). Blocks until the trainer joins,
-        so run it concurrently with the trainer's side."""
+    async def weight_group_ranks(self) -> int:
+        r = await self.http.get("/server_info", within=30)
+        info = r.json() if r.status == 200 else {}
+        return int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1)
+
+    async def _join_group(self, group: WeightGroup, rank_offset: int) -> None:
+        """SGLang opens `torch.distributed`'s `group.backend` group over a TCPStore at the
+        master address, its keys prefixed by the group's name (the trainer does the same)."""
         body = {
-            "master_address": master_address,
-            "master_port": master_port,
+            "master_address": group.master_address,
+            "master_port": group.master_port,
             "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
+            "world_size": group.world_size,
+            "group_name": group.name,
+            "backend": group.backend,
         }
-        r = await self.http.post("/init_weights_update_group", json=body)
+        r = await self.http.post("/init_weights_update_group", json=body, within=group.timeout_s)
         _check_success(r, "join the weight update group")
 
-    async def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        broadcast: Callable[[], Awaitable[None]],
-        version: int | None = None,
-        group_name: str = "weight_update_group",
-    ) -> int:
-        """Pause (abort), receive the tensors in `names` order while `broadcast()` sends them,
-        flush the cache, continue. In-flight requests are resubmitted as for a disk update."""
-        async with self._control:
-            new = version if version is not None else self._version + 1
-            if new <= self._version:
-                raise WeightUpdateError(f"version {new} is not newer than {self._version}")
-            if not self._paused:
-                await self._interrupt()
-            try:
-                body = {
-                    "names": list(names),
-                    "dtypes": list(dtypes),
-                    "shapes": [list(s) for s in shapes],
-                    "group_name": group_name,
-                    "weight_version": str(new),
-                    "flush_cache": True,
-                }
-                r, _ = await asyncio.gather(
-                    self.http.post("/update_weights_from_distributed", json=body), broadcast()
-                )
-                _check_success(r, "receive weights")
-                await self._flush_cache()
-                self._version = new
-            finally:
-                if not self._paused:
-                    await self._resume_server()
-                    self._gate.set()
-            return new
+    async def _receive(self, broadcast: Broadcast, group: WeightGroup, version: int) -> None:
+        """One `/update_weights_from_distributed` per bucket while the trainer sends it (SGLang
+        loads each bucket as it arrives); the last labels the version."""
+        last = len(broadcast.buckets) - 1
+        for i, bucket in enumerate(broadcast.buckets):
+            body: dict[str, Any] = {
+                "names": [t.name for t in bucket],
+                "dtypes": [t.dtype for t in bucket],
+                "shapes": [list(t.shape) for t in bucket],
+                "group_name": group.name,
+                "flush_cache": i == last,
+            }
+            if i == last:
+                body["weight_version"] = str(version)
+            r = await self.http.post(
+                "/update_weights_from_distributed", json=body, within=group.timeout_s
+            )
+            _check_success(r, f"receive weights (bucket {i + 1} of {last + 1})")
+        await self._flush_cache()
 
 
 def _check_success(response: Reply, what: str) -> None:
@@ -288,18 +277,3 @@ def _piece(meta: dict[str, Any], seen: int, k: int) -> Piece:
     reason = meta.get("finish_reason")
     finish = _FINISH.get(reason["type"], FinishReason.STOP) if reason else None
     return Piece(ids, logprobs, tops, finish)
-
-
-def write_model_dir(state_dict: Mapping[str, torch.Tensor], config_from: Path, out: Path) -> None:
-    """`state_dict` as a model directory SGLang's `update_weights_from_disk` reads: the weights as
-    model.safetensors, with the JSON files (config, generation config) of `config_from`, the
-    directory the server was started on, when this machine sees it."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if config_from.is_dir():
-        for f in config_from.glob("*.json"):
-            if not f.name.endswith(".index.json"):  # the shards' index names files not here
-                shutil.copy2(f, out / f.name)

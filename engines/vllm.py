@@ -15,8 +15,8 @@ Weight updates (see `engines.remote` for how in-flight requests survive them):
   then `/reset_prefix_cache` and `/update_weight_version`. The path is read by the server, so give
   it as the server sees it (absolute). A state dict is written to a temporary
   safetensors directory first (the server must share this machine's file system).
-- over NCCL (GPU only): `update_weights_nccl` drives vLLM's four-phase weight-transfer endpoints
-  while the trainer broadcasts.
+- over the weight group (`WeightUpdate.broadcast`, after `join_weight_group`): vLLM's
+  four-phase weight-transfer endpoints while the trainer broadcasts (NCCL: GPU servers only).
 
 vLLM 0.32 makes a request that arrives while paused wait; 0.33 answers 503. Both are handled.
 """
@@ -28,12 +28,12 @@ import json
 import re
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from engines.base import FinishReason, SamplingParams, WeightUpdate
+from engines.base import Broadcast, FinishReason, SamplingParams, WeightGroup, WeightUpdate
 from engines.errors import EngineUnavailableError, WeightUpdateError
 from engines.http import EngineHTTP, Reply, raise_for_status
 from engines.remote import (
@@ -208,13 +208,15 @@ class VLLMEngine(RemoteEngine):
         if update.path is not None:
             await self._reload(update.path)
         else:
+            from engines.weights import save_model_dir
+
             assert update.state_dict is not None
-            tmp = Path(tempfile.mkdtemp(prefix="rlgateway-weights-"))
+            root = Path(tempfile.mkdtemp(prefix="rlgateway-weights-"))
             try:
-                await asyncio.to_thread(_save_state_dict, update.state_dict, tmp)
-                await self._reload(tmp)
+                await asyncio.to_thread(save_model_dir, update.state_dict, root / "model")
+                await self._reload(root / "model")
             finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(root, ignore_errors=True)
         await self._finish_update(version)
 
     async def _reload(self, path: Path) -> None:
@@ -251,64 +253,53 @@ class VLLMEngine(RemoteEngine):
         waiting = int(load.get("vllm:num_requests_waiting", 0))
         return True, running, waiting, ""
 
-    # -- NCCL weight transfer (GPU only) --------------------------------------------------------
+    # -- the weight group: vLLM's four-phase weight transfer ------------------------------------
 
-    async def init_weight_transfer(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int
-    ) -> None:
-        """Join the trainer's NCCL group (the server needs `--weight-transfer-config
-        '{"backend":"nccl"}'`). Blocks until the trainer joins too, so run it concurrently with
-        the trainer's side."""
+    async def weight_group_ranks(self) -> int:
+        r = await self.http.get("/get_world_size", params={"include_dp": "true"}, within=30)
+        return int(r.json().get("world_size", 1)) if r.status == 200 else 1
+
+    async def _join_group(self, group: WeightGroup, rank_offset: int) -> None:
+        """`/init_weight_transfer_engine` (the server runs with `--weight-transfer-config
+        '{"backend":"nccl"}'`); it answers once the trainer has joined too."""
         info = {
-            "master_address": master_address,
-            "master_port": master_port,
+            "master_address": group.master_address,
+            "master_port": group.master_port,
             "rank_offset": rank_offset,
-            "world_size": world_size,
+            "world_size": group.world_size,
         }
         await self._post(
-            "/init_weight_transfer_engine", "join the weight group", json={"init_info": info}
+            "/init_weight_transfer_engine",
+            "join the weight group",
+            json={"init_info": info},
+            within=group.timeout_s,
         )
 
-    async def update_weights_nccl(
-        self,
-        names: Sequence[str],
-        dtype_names: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        broadcast: Callable[[], Awaitable[None]],
-        version: int | None = None,
-    ) -> int:
-        """The four-phase update: pause, `/start_weight_update`, `/update_weights` while
-        `broadcast()` sends the tensors in `names` order, `/finish_weight_update`, resume.
-        In-flight requests are interrupted and resubmitted as for a disk update."""
-        async with self._control:
-            new = version if version is not None else self._version + 1
-            if new <= self._version:
-                raise WeightUpdateError(f"version {new} is not newer than {self._version}")
-            if not self._paused:
-                await self._interrupt()
-            try:
-                await self._post("/start_weight_update", "start the weight update", json={})
+    async def _receive(self, broadcast: Broadcast, group: WeightGroup, version: int) -> None:
+        """`/start_weight_update`, one `/update_weights` per bucket while the trainer sends its
+        tensors, `/finish_weight_update` (which applies them and labels the version)."""
+        try:
+            await self._post("/start_weight_update", "start the weight update", json={})
+            for bucket in broadcast.buckets:
                 meta = {
-                    "names": list(names),
-                    "dtype_names": list(dtype_names),
-                    "shapes": [list(s) for s in shapes],
+                    "names": [t.name for t in bucket],
+                    "dtype_names": [t.dtype for t in bucket],
+                    "shapes": [list(t.shape) for t in bucket],
                 }
-                await asyncio.gather(
-                    self._post("/update_weights", "receive weights", json={"update_info": meta}),
-                    broadcast(),
-                )
                 await self._post(
-                    "/finish_weight_update",
-                    "finish the weight update",
-                    json={"weight_version": str(new)},
+                    "/update_weights",
+                    "receive weights",
+                    json={"update_info": meta},
+                    within=group.timeout_s,
                 )
-                await self._finish_update(new)
-                self._version = new
-            finally:
-                if not self._paused:
-                    await self._resume_server()
-                    self._gate.set()
-            return new
+            await self._post(
+                "/finish_weight_update",
+                "finish the weight update",
+                json={"weight_version": str(version)},
+            )
+        except EngineUnavailableError as exc:
+            raise WeightUpdateError(str(exc)) from exc
+        await self._finish_update(version)
 
 
 def _completion_piece(choice: dict[str, Any], k: int) -> Piece:
@@ -409,10 +400,3 @@ def parse_load(metrics: str) -> dict[str, float]:
         if m := _METRIC.match(line):
             out[m[1]] = out.get(m[1], 0.0) + float(m[2])
     return out
-
-
-def _save_state_dict(state_dict: Any, out: Path) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

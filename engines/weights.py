@@ -1,4 +1,9 @@
-"""The checks a weight update passes before the local engine copies its first tensor.
+"""Weights on disk, and the checks a weight update passes before the local engine copies its
+first tensor.
+
+`save_model_dir` writes a state dict as a HF model directory that every engine loads: the
+in-process trainer's weights for a remote server (`engines.vllm`, `engines.sglang`), a separate
+trainer's publish (`trainer.publish`), the demo's warm start.
 
 A refused update must change nothing, so everything that can be wrong with it is found first:
 its version (newer than the current one, within `MAX_POLICY_VERSION`), its files (each
@@ -10,6 +15,7 @@ failure is a `WeightUpdateError` that names the tensor or file and what is wrong
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -81,3 +87,26 @@ def read_dir(path: Path | None) -> Mapping[str, torch.Tensor]:
         except Exception as exc:
             raise WeightUpdateError(f"could not read {f}: {exc}") from exc
     return state
+
+
+def save_model_dir(
+    state_dict: Mapping[str, torch.Tensor], out: Path, files_from: Path | None = None
+) -> None:
+    """`state_dict` as the HF model directory `out` (replaced whole, atomically: a reader never
+    sees it half-written): the weights as one model.safetensors, beside the other files of the
+    model directory `files_from` (config, generation config, tokenizer) when it is one this
+    machine sees. Its own weight files and their index are not copied."""
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if files_from is not None and files_from.is_dir():
+        for f in files_from.iterdir():
+            weights = f.name.endswith((".safetensors", ".bin", ".index.json"))
+            if f.is_file() and not weights:
+                shutil.copy2(f, tmp / f.name)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)

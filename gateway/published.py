@@ -2,10 +2,12 @@
 
 Every load of new weights into the gateway's engine is recorded (`Store.record_policy`):
 `POST /admin/weights` records the directory it loaded, an in-process trainer (`serve --train`,
-recorded by the composition layer) records none, since its weights live only in its process and
-its checkpoints. When the gateway starts on its own engine, `restore_policy` loads the newest
-recorded policy at its version before the server reports ready or admits any session, so agents
-never sample a base model that the trainer has long left behind. Where that policy cannot be
+recorded by the composition layer) and a broadcast over the weight group (`POST
+/admin/weights/broadcast`) record none, since those weights live only in the trainer's process,
+its checkpoints and the servers (which keep serving them across a gateway restart). When the
+gateway starts on its own engine, `restore_policy` loads the newest recorded policy at its
+version before the server reports ready or admits any session, so agents never sample a base
+model that the trainer has long left behind. Where that policy cannot be
 loaded (in-process weights, a directory gone, weights that fail to load), it says in the log
 what is served instead; a trainer that resumes republishes its checkpoint's version then.
 """
@@ -45,7 +47,7 @@ async def restore_policy(engine: Engine, store: Store) -> int:
     if newest.path is None:
         log.warning(
             "the newest published policy, version %d, was handed over in process "
-            "(serve --train) and no directory holds it: %s",
+            "(serve --train) or over the weight group, and no directory holds it: %s",
             newest.version,
             instead,
         )

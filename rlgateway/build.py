@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from store import Store
 from trainer.config import TrainConfig
 from trainer.loop import Trainer
 from trainer.publish import WeightPublisher
+
+if TYPE_CHECKING:
+    from trainer.collective import GroupSink
 
 
 def model_dir_of(cfg: TrainConfig, fallback: str | None = None) -> Path:
@@ -54,3 +57,30 @@ async def build_trainer(
         trainer.close()
         raise
     return trainer
+
+
+def build_publisher(
+    cfg: TrainConfig, fallback: WeightPublisher, sink: GroupSink | None = None
+) -> WeightPublisher:
+    """`fallback` (the disk path, or the in-process engine), behind the weight group when
+    `cfg.publish.mode` is collective (`trainer.collective`; `sink` is the gateway's half)."""
+    p = cfg.publish
+    if p.mode == "disk":
+        return fallback
+    import torch
+
+    from trainer.collective import CollectivePublisher
+
+    if sink is None:
+        raise ValueError("publish.mode collective needs a gateway: give --gateway-url")
+    backend = p.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return CollectivePublisher(
+        sink,
+        fallback,
+        master_address=p.master_address,
+        backend=backend,
+        bucket_bytes=int(p.bucket_mb * (1 << 20)),
+        timeout_s=p.timeout_s,
+    )

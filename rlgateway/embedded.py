@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.deps import Components
 from gateway.settings import GatewaySettings
-from rlgateway.build import build_trainer, model_dir_of
+from rlgateway.build import build_publisher, build_trainer, model_dir_of
 from rlgateway.run_merge import stored_form
 from store import Store
+from trainer.collective import EngineSink
 from trainer.config import TrainConfig
 from trainer.loop import Trainer
 from trainer.publish import LocalPublisher, WeightPublisher
@@ -78,7 +79,9 @@ class EmbeddedTrainer:
                 f"the run's agent key: {key})"
             )
         model_dir = model_dir_of(cfg, settings.model)
-        publisher = RecordingPublisher(LocalPublisher(c.engine), c.store)
+        sink = EngineSink(c.engine) if cfg.publish.mode == "collective" else None
+        inner = build_publisher(cfg, LocalPublisher(c.engine), sink)
+        publisher = RecordingPublisher(inner, c.store)
         # resumed (its checkpoint's version published) before this returns: the sidecar of
         # `serve --train` is entered in the gateway's startup, before any session is admitted
         trainer = await build_trainer(cfg, c.store, publisher, model_dir, report=report)

@@ -69,6 +69,30 @@ class WandbConfig(BaseModel):
     """online, offline (writes under checkpoint_dir/wandb for a later `wandb sync`), disabled."""
 
 
+class PublishConfig(BaseModel):
+    """How new weights reach the gateway's engines (docs/architecture.md, "Weights")."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    mode: Literal["disk", "collective"] = "disk"
+    """`disk`: a separate trainer writes each version as a HF directory under
+    checkpoint_dir/published and the gateway loads it (the gateway, and its vLLM/SGLang servers,
+    must see that filesystem); in `serve --train` the state dict goes to the engine, which
+    writes it for remote servers itself. `collective`: the weights are broadcast over a process
+    group the servers join (`trainer.collective`; SGLang servers or the in-process router over
+    them; no shared filesystem), a version that fails that way going from disk."""
+    master_address: str = "127.0.0.1"
+    """collective: the trainer's address as the servers reach it."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """collective: the torch.distributed backend of the group; auto: nccl with CUDA, else gloo."""
+    bucket_mb: float = Field(512.0, gt=0)
+    """collective: the servers receive and load the weights in buckets of at most this many MiB."""
+    timeout_s: float = Field(300.0, gt=0)
+    """collective: bounds forming the group and each broadcast."""
+    keep: int = Field(2, ge=1)
+    """disk: published versions kept under checkpoint_dir/published."""
+
+
 class TrainConfig(RunConfig):
     """Everything a training run needs. Every field has a vetted default except `run`; the
     run-owned fields (`store.run_config.RunConfig`: batch_size, eta, max_concurrent, discount,
@@ -121,6 +145,8 @@ class TrainConfig(RunConfig):
     TensorBoard): a `wandb:` section (even `wandb: {}`) turns it on; None: off."""
     critic: CriticConfig = Field(default_factory=lambda: CriticConfig())
     """The value model of algorithms with a critic (ppo)."""
+    publish: PublishConfig = Field(default_factory=lambda: PublishConfig())
+    """How new weights reach the engines."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

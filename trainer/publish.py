@@ -4,7 +4,9 @@
   goes straight to `engine.update_weights`, applied between decode steps.
 - `DiskPublisher`: the gateway runs in another process: the weights are written as a HF
   safetensors directory and the gateway is told to load them (`POST /admin/weights`).
-- An NCCL transport (for vLLM/SGLang on GPUs) implements the same `publish` with a broadcast.
+- `trainer.collective.CollectivePublisher`: the engines are vLLM/SGLang servers: the weights
+  are broadcast over a process group the servers join (no shared filesystem), a version that
+  fails that way going through one of the above.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Protocol
 import torch
 
 from engines.base import Engine, WeightUpdate
+from engines.weights import save_model_dir
 
 
 class WeightPublisher(Protocol):
@@ -44,61 +47,41 @@ class LocalPublisher:
         return self.engine.version()
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], model_dir: Path, out: Path) -> None:
-    """A loadable HF directory: the base model's config/tokenizer files plus new weights."""
-    from safetensors.torch import save_file
+class GatewayAdmin:
+    """The gateway's admin API at `url`, as a trainer calls it. A gateway that is down or
+    restarting (connection refused, 502/503/504) is retried with backoff for up to
+    `retry_seconds` where a call may be repeated, so a trainer rides out a gateway restart at the
+    same address."""
 
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in model_dir.iterdir():
-        if f.is_file() and not f.name.endswith((".safetensors", ".bin")):
-            shutil.copy(f, tmp / f.name)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-
-
-class DiskPublisher:
-    """Writes `dir/v{version}` and asks the gateway at `gateway_url` to load it. A gateway that
-    is down or restarting (connection refused, 502/503/504) is retried with backoff for up to
-    `retry_seconds`, so a trainer rides out a gateway restart at the same address."""
-
-    def __init__(
-        self,
-        directory: Path,
-        model_dir: Path,
-        gateway_url: str,
-        admin_token: str,
-        keep: int = 2,
-        retry_seconds: float = 120.0,
-    ) -> None:
-        self.directory = directory
-        self.model_dir = model_dir
-        self.gateway_url = gateway_url.rstrip("/")
-        self.admin_token = admin_token
-        self.keep = keep
+    def __init__(self, url: str, token: str, retry_seconds: float = 120.0) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
         self.retry_seconds = retry_seconds
 
-    async def _call(
-        self, method: str, path: str, json: dict[str, object] | None = None
+    async def call(
+        self,
+        method: str,
+        path: str,
+        json: dict[str, object] | None = None,
+        *,
+        read_s: float = 600.0,
+        retry: bool = True,
     ) -> dict[str, object]:
+        """The JSON answer; `httpx.HTTPStatusError` for a 4xx/5xx, `ConnectionError` once the
+        retries (none with `retry=False`) are spent."""
         import asyncio
         import time
 
         import httpx
 
-        deadline = time.monotonic() + self.retry_seconds
+        deadline = time.monotonic() + (self.retry_seconds if retry else 0.0)
         delay = 0.5
-        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        headers = {"Authorization": f"Bearer {self.token}"}
         while True:
             try:
-                async with httpx.AsyncClient(timeout=600) as http:
-                    r = await http.request(
-                        method, f"{self.gateway_url}{path}", headers=headers, json=json
-                    )
-                if r.status_code not in (502, 503, 504):
+                async with httpx.AsyncClient(timeout=read_s) as http:
+                    r = await http.request(method, f"{self.url}{path}", headers=headers, json=json)
+                if r.status_code not in (502, 503, 504) or not retry:
                     r.raise_for_status()
                     body: dict[str, object] = r.json()
                     return body
@@ -107,18 +90,36 @@ class DiskPublisher:
                 failure = f"{type(exc).__name__}: {exc}"
             if time.monotonic() + delay > deadline:
                 raise ConnectionError(
-                    f"the gateway at {self.gateway_url} did not answer {method} {path} within "
-                    f"{self.retry_seconds:.0f} s (last: {failure})"
+                    f"the gateway at {self.url} did not answer {method} {path}"
+                    + (f" within {self.retry_seconds:.0f} s" if retry else "")
+                    + f" (last: {failure})"
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+    async def served(self) -> int:
+        body = await self.call("GET", "/admin/version")
+        return int(str(body["version"]))
+
+
+class DiskPublisher:
+    """Writes `dir/v{version}` and asks the gateway (`admin`) to load it (`POST /admin/weights`);
+    the gateway must see this machine's filesystem. The newest `keep` versions stay on disk."""
+
+    def __init__(
+        self, directory: Path, model_dir: Path, admin: GatewayAdmin, keep: int = 2
+    ) -> None:
+        self.directory = directory
+        self.model_dir = model_dir
+        self.admin = admin
+        self.keep = keep
 
     async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
         import asyncio
 
         out = self.directory / f"v{version}"
-        await asyncio.to_thread(save_weights, state_dict, self.model_dir, out)
-        body = await self._call(
+        await asyncio.to_thread(save_model_dir, state_dict, out, self.model_dir)
+        body = await self.admin.call(
             "POST", "/admin/weights", json={"path": str(out.resolve()), "version": version}
         )
         for old in sorted(self.directory.glob("v*"), key=lambda p: int(p.name[1:]))[: -self.keep]:
@@ -126,5 +127,4 @@ class DiskPublisher:
         return int(str(body["version"]))
 
     async def served(self) -> int:
-        body = await self._call("GET", "/admin/version")
-        return int(str(body["version"]))
+        return await self.admin.served()

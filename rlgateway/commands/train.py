@@ -35,12 +35,13 @@ def run_train(args: argparse.Namespace) -> int:
 async def _train(cfg: object, gateway_url: str | None, token: str | None) -> int:
     import logging
 
-    from rlgateway.build import build_trainer, model_dir_of
+    from rlgateway.build import build_publisher, build_trainer, model_dir_of
     from rlgateway.run_merge import adopt_run_config
     from store import Store
     from store.errors import StoreError
+    from trainer.collective import AdminSink
     from trainer.config import TrainConfig
-    from trainer.publish import DiskPublisher
+    from trainer.publish import DiskPublisher, GatewayAdmin
 
     assert isinstance(cfg, TrainConfig)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -59,11 +60,15 @@ async def _train(cfg: object, gateway_url: str | None, token: str | None) -> int
             raise CLIError(str(exc)) from exc
         model_dir = model_dir_of(cfg)
         publisher = None
-        if gateway_url:
-            assert token is not None
-            weights_dir = Path(cfg.checkpoint_dir) / "published"
-            publisher = DiskPublisher(weights_dir, model_dir, gateway_url, token)
         try:
+            if gateway_url:
+                assert token is not None
+                admin = GatewayAdmin(gateway_url, token)
+                weights_dir = Path(cfg.checkpoint_dir) / "published"
+                disk = DiskPublisher(weights_dir, model_dir, admin, keep=cfg.publish.keep)
+                publisher = build_publisher(cfg, disk, AdminSink(admin))
+            elif cfg.publish.mode != "disk":
+                raise ValueError("publish.mode collective needs a gateway: give --gateway-url")
             trainer = await build_trainer(cfg, store, publisher, model_dir)
         except ValueError as exc:  # e.g. wandb configured but not installed; a foreign checkpoint
             raise CLIError(str(exc)) from exc

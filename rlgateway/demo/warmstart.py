@@ -102,9 +102,9 @@ def _train(
     progress: Callable[[int, float], None] | None,
 ) -> None:
     from engines.tiny_model import load_tokenizer
+    from engines.weights import save_model_dir
     from trainer.backends.config import FSDPBackendConfig
     from trainer.backends.registry import build_backend
-    from trainer.publish import save_weights
     from trainer.sft import SFTExample, sft_step
 
     backend = build_backend(
@@ -117,4 +117,4 @@ def _train(
         stats = sft_step(backend, [SFTExample(p, c) for p, c in batch])
         if progress is not None:
             progress(i + 1, stats["nll"])
-    save_weights(backend.full_state_dict(), base_model, out)
+    save_model_dir(backend.full_state_dict(), out, base_model)

@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from trainer.publish import DiskPublisher
+from trainer.publish import DiskPublisher, GatewayAdmin
 
 
 def free_port() -> int:
@@ -54,13 +54,8 @@ async def serve(app: FastAPI, port: int) -> AsyncIterator[uvicorn.Server]:
 
 
 def publisher(tmp_path: Path, port: int, retry_seconds: float) -> DiskPublisher:
-    return DiskPublisher(
-        tmp_path / "weights",
-        tmp_path / "model",
-        f"http://127.0.0.1:{port}",
-        admin_token="t",
-        retry_seconds=retry_seconds,
-    )
+    admin = GatewayAdmin(f"http://127.0.0.1:{port}", "t", retry_seconds=retry_seconds)
+    return DiskPublisher(tmp_path / "weights", tmp_path / "model", admin)
 
 
 @pytest.mark.parametrize("status", [502, 503, 504])
@@ -104,3 +99,33 @@ async def test_any_other_error_is_raised_at_once(tmp_path: Path) -> None:
         with pytest.raises(httpx.HTTPStatusError, match="409"):
             await publisher(tmp_path, port, retry_seconds=30).served()
     assert flaky.calls == 1
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+async def test_the_newest_keep_versions_stay_on_disk(tmp_path: Path, keep: int) -> None:
+    """`publish.keep`: each version is written as `v{N}` and announced; older ones go."""
+    import torch
+
+    announced: list[dict[str, object]] = []
+    app = FastAPI()
+
+    @app.post("/admin/weights")
+    async def load(body: dict[str, object]) -> JSONResponse:
+        announced.append(body)
+        return JSONResponse({"version": body["version"], "changed": True})
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    port = free_port()
+    async with serve(app, port):
+        admin = GatewayAdmin(f"http://127.0.0.1:{port}", "t", retry_seconds=5)
+        pub = DiskPublisher(tmp_path / "weights", tmp_path / "model", admin, keep=keep)
+        for v in (1, 2, 3):
+            assert await pub.publish({"w": torch.full((2,), float(v))}, v) == v
+    assert [b["version"] for b in announced] == [1, 2, 3]
+    kept = sorted(p.name for p in (tmp_path / "weights").iterdir())
+    assert kept == ["v1", "v2", "v3"][-keep:]
+    assert sorted(p.name for p in (tmp_path / "weights" / "v3").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]

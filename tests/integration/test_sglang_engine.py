@@ -8,7 +8,6 @@ adapter's parsing of streamed, cumulative `output_token_logprobs` is checked tok
 from __future__ import annotations
 
 import asyncio
-import datetime
 import os
 import shutil
 import socket
@@ -19,7 +18,15 @@ from typing import Any
 import pytest
 import torch
 
-from engines.base import FinishReason, GenerateRequest, SamplingParams, WeightUpdate, collect
+from engines.base import (
+    Broadcast,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    WeightGroup,
+    WeightUpdate,
+    collect,
+)
 from engines.errors import WeightUpdateError
 from engines.sglang import SGLangEngine, SGLangEngineConfig
 from tests.support.fake_sglang import FakeServer, run_fake_sglang
@@ -151,7 +158,7 @@ async def test_an_in_process_state_dict_is_served(
     writes as a model directory (weights beside the server's config files) and loads from disk."""
     from safetensors.torch import load_file
 
-    from engines.sglang import write_model_dir
+    from engines.weights import save_model_dir
 
     state = load_file(str(trained_dir / "model.safetensors"))
     with run_fake_sglang(tiny_model) as server:
@@ -170,7 +177,7 @@ async def test_an_in_process_state_dict_is_served(
     (tmp_path / "served").mkdir()
     for name in ("config.json", "generation_config.json", "model.safetensors.index.json"):
         (tmp_path / "served" / name).write_text("{}")
-    write_model_dir(state, tmp_path / "served", tmp_path / "out")
+    save_model_dir(state, tmp_path / "out", tmp_path / "served")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "config.json",
         "generation_config.json",
@@ -186,49 +193,36 @@ def _free_port() -> int:
 
 
 async def test_weights_over_a_process_group(tiny_model: Path, trained_dir: Path) -> None:
-    """`/init_weights_update_group` + `/update_weights_from_distributed` while the trainer (rank 0)
-    broadcasts; the fake server uses gloo where SGLang uses NCCL."""
-    import torch.distributed as dist
+    """`/init_weights_update_group`, then `/update_weights_from_distributed` per bucket while the
+    trainer's side (`trainer.collective.GroupSender`, rank 0) broadcasts; the fake server uses
+    gloo where SGLang uses NCCL, with SGLang's store layout."""
     from safetensors.torch import load_file
+
+    from trainer.collective import GroupSender, buckets_of, tensor_meta
 
     state = load_file(str(trained_dir / "model.safetensors"))
     names = sorted(state)
-    port = _free_port()
-    timeout = datetime.timedelta(seconds=60)
+    group = WeightGroup("127.0.0.1", _free_port(), 2, backend="gloo", timeout_s=60)
     with run_fake_sglang(tiny_model) as server:
         engine = await connect(server.url)
         try:
-
-            def open_group() -> Any:
-                store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout)
-                return dist.ProcessGroupGloo(store, 0, 2, timeout)
-
-            group, _ = await asyncio.gather(
-                asyncio.to_thread(open_group),
-                engine.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo"),
+            assert await engine.weight_group_ranks() == 1
+            sender, _ = await asyncio.gather(
+                asyncio.to_thread(GroupSender, group), engine.join_weight_group(group)
             )
-
-            def send() -> None:
-                opts = dist.BroadcastOptions()
-                opts.rootRank = 0
-                for name in names:
-                    group.broadcast([state[name].contiguous()], opts).wait()
-
-            async def broadcast() -> None:
-                await asyncio.to_thread(send)
-
-            version = await engine.update_weights_from_distributed(
-                names,
-                [str(state[n].dtype).removeprefix("torch.") for n in names],
-                [list(state[n].shape) for n in names],
-                broadcast,
+            buckets = buckets_of([tensor_meta(n, state[n]) for n in names], 64 << 10)
+            assert len(buckets) > 1
+            update = WeightUpdate(broadcast=Broadcast(buckets), version=3)
+            version, _ = await asyncio.gather(
+                engine.update_weights(update),
+                asyncio.to_thread(sender.send, [state[n] for n in names]),
             )
-            assert version == 1
+            assert version == 3
             sampling = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
             r = await collect(engine, GenerateRequest(prompt_ids=PROMPT, sampling=sampling))
         finally:
             await engine.close()
-    assert set(r.versions) == {1}
+    assert set(r.versions) == {3}
     tokens = list(PROMPT + r.token_ids)
     new = teacher_forced(trained_dir, tokens, 1.0)[len(PROMPT) :]
     assert list(r.logprobs) == pytest.approx(new, abs=ATOL)

@@ -256,7 +256,7 @@ def restore_original_weights(vllm_url: str, tiny_model: Path) -> None:
 
 
 def swap_and_check(gateway: GatewayHandle, tiny_model: Path, vllm_url: str, tmp_path: Path) -> None:
-    from trainer.publish import save_weights
+    from engines.weights import save_model_dir
 
     backend, state = train_once(tiny_model)
     timings: list[str] = []
@@ -265,7 +265,7 @@ def swap_and_check(gateway: GatewayHandle, tiny_model: Path, vllm_url: str, tmp_
         # The trainer's directory (as DiskPublisher writes it), written before the stream: at the
         # first token only the announcement remains, so the swap lands while vLLM generates.
         weights = tmp_path / "weights" / f"v{version}"
-        save_weights(state, tiny_model, weights)
+        save_model_dir(state, weights, tiny_model)
         with concurrent.futures.ThreadPoolExecutor(LOAD) as pool:
             # Other clients keep vLLM busy, so that the gateway's request is still generating
             # when the swap lands (alone it finishes in a second or two); the swap aborts them.

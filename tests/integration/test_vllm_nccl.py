@@ -1,4 +1,5 @@
-"""vLLM's NCCL weight transfer driven by `VLLMEngine.update_weights_nccl` (GPU machines only).
+"""vLLM's NCCL weight transfer driven by `VLLMEngine` (`join_weight_group`, then a `WeightUpdate`
+with a broadcast; GPU machines only).
 
 vLLM (a CUDA build, at $RLGATEWAY_VLLM_PYTHON) serves the tiny model on GPU 0 with
 `--weight-transfer-config '{"backend":"nccl"}'`; `tests/support/nccl_sender.py` plays the trainer
@@ -20,7 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.base import GenerateRequest, SamplingParams, collect
+from engines.base import (
+    Broadcast,
+    GenerateRequest,
+    SamplingParams,
+    TensorMeta,
+    WeightGroup,
+    WeightUpdate,
+    collect,
+)
 from engines.vllm import VLLMEngine, VLLMEngineConfig
 from engines.vllm_launch import VLLMLaunchConfig, VLLMServer, free_port
 from tests.integration.vllm_server import vllm_python
@@ -97,7 +106,8 @@ async def test_nccl_update_under_a_streaming_request(tiny_model: Path, tmp_path:
     engine = await VLLMEngine.connect(VLLMEngineConfig(url=server.url))
     try:
         _, ready = await asyncio.gather(
-            engine.init_weight_transfer("127.0.0.1", port, 1, 2), sender.stdout.readline()
+            engine.join_weight_group(WeightGroup("127.0.0.1", port, 2, backend="nccl")),
+            sender.stdout.readline(),
         )
         assert ready.strip() == b"ready"
 
@@ -114,9 +124,12 @@ async def test_nccl_update_under_a_streaming_request(tiny_model: Path, tmp_path:
         while engine.live_requests == 0:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
-        dtypes = [str(state[n].dtype).removeprefix("torch.") for n in names]
-        shapes = [list(state[n].shape) for n in names]
-        assert await engine.update_weights_nccl(names, dtypes, shapes, broadcast) == 1
+        metas = tuple(
+            TensorMeta(n, str(state[n].dtype).removeprefix("torch."), tuple(state[n].shape))
+            for n in names
+        )
+        update = WeightUpdate(broadcast=Broadcast((metas,)), version=1)
+        assert (await asyncio.gather(engine.update_weights(update), broadcast()))[0] == 1
         r = await task
         assert len(r.token_ids) == 1500
         swap = r.versions.index(1)

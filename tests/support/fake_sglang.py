@@ -18,6 +18,14 @@ through transformers, so tokens and logprobs are real:
   `/update_weights_from_distributed` (gloo on CPU instead of NCCL), `/health`, `/model_info`,
   `/server_info`, `/v1/loads`.
 
+Test hooks, not SGLang's (`/fake/...`): `GET /fake/weights_digest` (`weights_digest` of the
+served model's state dict) and `POST /fake/fail_next_receive` (the next
+`/update_weights_from_distributed` receives its first tensor only, then answers 400
+`{"success": false, "message": "injected failure"}` and loads nothing).
+
+The generation core (`FakeSGLang.generate`, `load_state`, `join_group`, `receive_tensors`) is
+shared with the fake vLLM server (`tests.support.fake_vllm`).
+
 Run: `python -m tests.support.fake_sglang --model DIR --port PORT`.
 """
 
@@ -27,13 +35,14 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import hashlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +96,10 @@ class FakeSGLang:
         self.unpaused.set()
         self.step_lock = asyncio.Lock()
         self.group: Any = None
+        self.fail_next_receive = False
+        """Test hook (`POST /fake/fail_next_receive`): the next receive over the group fails."""
+        self.receives = 0
+        """Test hook (`GET /fake/receives`): receive calls over the group (one per bucket)."""
 
     async def generate(self, req: _Req) -> None:
         p = req.params
@@ -177,6 +190,69 @@ class FakeSGLang:
             for name, t in state.items():
                 own[name].copy_(t)
 
+    def digest(self) -> dict[str, str]:
+        """Test hook: `weights_digest` of the served weights."""
+        return weights_digest(self.model.state_dict())
+
+
+def weights_digest(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """{name: sha256 hex of the tensor's bytes as contiguous CPU float32}: what the fakes'
+    `GET /fake/weights_digest` answers for their model, to compare with a trainer's state dict."""
+    out = {}
+    for name, t in state_dict.items():
+        data = t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+        out[name] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+JOIN_TIMEOUT = datetime.timedelta(seconds=60)
+"""How long the fakes wait for the trainer to open its weight group's store."""
+
+
+def group_timeout() -> datetime.timedelta:
+    """What bounds each collective of the fakes' weight group: `$FAKE_GROUP_TIMEOUT_S` seconds
+    (default 60), so that a test of a broken transfer does not leave a fake waiting long."""
+    return datetime.timedelta(seconds=float(os.environ.get("FAKE_GROUP_TIMEOUT_S", "60")))
+
+
+def join_group(address: str, port: int, rank: int, world_size: int, name: str) -> Any:
+    """Join the weight group `name` as `rank` (blocking: run it in a thread), as SGLang's
+    `init_custom_process_group` does: a client of the trainer's TCPStore at `address:port`, its
+    keys prefixed by the group's name (once by SGLang, once by torch's process-group helper) and
+    the device; gloo where the real servers use NCCL."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        address, port, world_size, is_master=False, timeout=JOIN_TIMEOUT
+    )
+    prefixed = dist.PrefixStore(  # type: ignore[attr-defined]
+        "cpu/",
+        dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)),  # type: ignore[attr-defined]
+    )
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, group_timeout())
+
+
+def receive_tensors(
+    group: Any,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    limit: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Receive one broadcast from rank 0 per tensor, in order (blocking: run it in a thread);
+    only the first `limit` when given."""
+    import torch.distributed as dist
+
+    out = {}
+    metas = list(zip(names, dtypes, shapes, strict=True))
+    for name, dtype, shape in metas[:limit]:
+        t = torch.empty(list(shape), dtype=getattr(torch, dtype))
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        group.broadcast([t], opts).wait()
+        out[name] = t
+    return out
+
 
 def build_app(server: FakeSGLang) -> FastAPI:
     app = FastAPI()
@@ -265,22 +341,14 @@ def build_app(server: FakeSGLang) -> FastAPI:
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
         body = await request.json()
-
-        def join() -> Any:
-            import torch.distributed as dist
-
-            store = dist.TCPStore(
-                body["master_address"],
-                int(body["master_port"]),
-                int(body["world_size"]),
-                is_master=False,
-                timeout=datetime.timedelta(seconds=60),
-            )
-            return dist.ProcessGroupGloo(
-                store, int(body["rank_offset"]), int(body["world_size"]), datetime.timedelta(60)
-            )
-
-        server.group = await asyncio.to_thread(join)
+        server.group = await asyncio.to_thread(
+            join_group,
+            body["master_address"],
+            int(body["master_port"]),
+            int(body["rank_offset"]),
+            int(body["world_size"]),
+            str(body.get("group_name") or "weight_update_group"),
+        )
         return JSONResponse({"success": True, "message": "Succeeded to initialize group."})
 
     @app.post("/update_weights_from_distributed")
@@ -288,22 +356,15 @@ def build_app(server: FakeSGLang) -> FastAPI:
         body = await request.json()
         if server.group is None:
             return JSONResponse({"success": False, "message": "no group"}, status_code=400)
-
-        def receive() -> dict[str, torch.Tensor]:
-            import torch.distributed as dist
-
-            out = {}
-            metas = zip(body["names"], body["dtypes"], body["shapes"], strict=True)
-            for name, dtype, shape in metas:
-                t = torch.empty(shape, dtype=getattr(torch, dtype))
-                opts = dist.BroadcastOptions()
-                opts.rootRank = 0
-                server.group.broadcast([t], opts).wait()
-                out[name] = t
-            return out
-
+        metas = (server.group, body["names"], body["dtypes"], body["shapes"])
+        server.receives += 1
+        if server.fail_next_receive:  # test hook: fail part-way, load nothing
+            server.fail_next_receive = False
+            await asyncio.to_thread(receive_tensors, *metas, limit=1)
+            message = "injected failure"
+            return JSONResponse({"success": False, "message": message}, status_code=400)
         async with server.step_lock:
-            state = await asyncio.to_thread(receive)
+            state = await asyncio.to_thread(receive_tensors, *metas)
             server.load_state(state)
         if body.get("weight_version") is not None:
             server.version = str(body["weight_version"])
@@ -334,7 +395,30 @@ def build_app(server: FakeSGLang) -> FastAPI:
         load = {"dp_rank": 0, "num_running_reqs": len(server.running), "num_waiting_reqs": waiting}
         return {"loads": [load]}
 
+    add_test_hooks(app, server)
     return app
+
+
+def add_test_hooks(app: FastAPI, server: FakeSGLang) -> None:
+    """The fakes' test hooks, under `/fake/` (no real server has them): `GET
+    /fake/weights_digest` -> `{"digest": weights_digest(served weights)}`; `POST
+    /fake/fail_next_receive` arms `server.fail_next_receive` (the next receive over the weight
+    group takes the first tensor only, then fails without loading anything); `GET
+    /fake/receives` -> `{"calls": receive calls over the weight group so far}`."""
+
+    @app.get("/fake/weights_digest")
+    async def fake_weights_digest() -> dict[str, Any]:
+        async with server.step_lock:
+            return {"digest": server.digest()}
+
+    @app.post("/fake/fail_next_receive")
+    async def fake_fail_next_receive() -> dict[str, bool]:
+        server.fail_next_receive = True
+        return {"armed": True}
+
+    @app.get("/fake/receives")
+    async def fake_receives() -> dict[str, int]:
+        return {"calls": server.receives}
 
 
 def main() -> None:
