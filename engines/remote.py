@@ -187,6 +187,12 @@ class RemoteEngine(abc.ABC):
         return self._group is not None
 
     async def join_weight_group(self, group: WeightGroup, rank_offset: int = 1) -> None:
+        ranks = await self.weight_group_ranks()
+        if rank_offset + ranks > group.world_size:  # refused: the group stays
+            raise WeightUpdateError(
+                f"the weight group has {group.world_size} ranks, too few for the server's "
+                f"{ranks} from rank {rank_offset} on: ask for the group's size again"
+            )
         async with self._control:
             self._group = None
             try:

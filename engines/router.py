@@ -313,19 +313,19 @@ class Router:
         """Every answering server joins `group`, ranks handed out in server order. All or
         nothing: one that cannot join fails the group (the trainer forms it again)."""
         async with self._control:
-            self._group = None
-            for b in self.backends:
-                b.in_group = False
             members = [b for b in self.backends if b.answering]
             if not members:
                 raise EngineUnavailableError("no inference server answers: none can join")
             ranks = await asyncio.gather(*(_ranks(b.engine) for b in members))
-            if rank_offset + sum(ranks) != group.world_size:
+            if rank_offset + sum(ranks) != group.world_size:  # refused: the group stays
                 raise WeightUpdateError(
                     f"the weight group has {group.world_size} ranks, but the trainer's "
                     f"{rank_offset} and the servers' {sum(ranks)} make "
                     f"{rank_offset + sum(ranks)}: ask for the group's size again"
                 )
+            self._group = None  # the servers leave the old group as they join the new one
+            for b in self.backends:
+                b.in_group = False
             offsets = [rank_offset + sum(ranks[:i]) for i in range(len(members))]
             joined = await asyncio.gather(
                 *(

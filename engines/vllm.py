@@ -24,6 +24,7 @@ vLLM 0.32 makes a request that arrives while paused wait; 0.33 answers 503. Both
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import shutil
@@ -277,9 +278,14 @@ class VLLMEngine(RemoteEngine):
 
     async def _receive(self, broadcast: Broadcast, group: WeightGroup, version: int) -> None:
         """`/start_weight_update`, one `/update_weights` per bucket while the trainer sends its
-        tensors, `/finish_weight_update` (which applies them and labels the version)."""
+        tensors, `/finish_weight_update` (which labels the version). vLLM loads each bucket as it
+        arrives: after a failure the weights are mixed (the router re-syncs the server), and the
+        update is closed unlabelled, since vLLM refuses to start another while one is open."""
         try:
             await self._post("/start_weight_update", "start the weight update", json={})
+        except EngineUnavailableError as exc:
+            raise WeightUpdateError(str(exc)) from exc
+        try:
             for bucket in broadcast.buckets:
                 meta = {
                     "names": [t.name for t in bucket],
@@ -297,8 +303,13 @@ class VLLMEngine(RemoteEngine):
                 "finish the weight update",
                 json={"weight_version": str(version)},
             )
-        except EngineUnavailableError as exc:
-            raise WeightUpdateError(str(exc)) from exc
+        except BaseException as exc:
+            with contextlib.suppress(EngineUnavailableError, WeightUpdateError):
+                async with asyncio.timeout(10):
+                    await self._post("/finish_weight_update", "close the update", json={})
+            if isinstance(exc, EngineUnavailableError):
+                raise WeightUpdateError(str(exc)) from exc
+            raise
         await self._finish_update(version)
 
 

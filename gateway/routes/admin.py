@@ -126,6 +126,12 @@ async def join_weight_group(gw: GatewayDep, _: AdminDep, body: GroupIn) -> dict[
     """Every answering server joins the trainer's group (ranks 1 .. world_size - 1); answers when
     all have, which needs the trainer to join at the same time. 409 when one cannot."""
     member = _member(gw)
+    ranks = await member.weight_group_ranks()
+    if 1 + ranks != body.world_size:  # refused before any server leaves the group it is in
+        raise Conflict(
+            f"the weight group has {body.world_size} ranks, but the trainer's 1 and the "
+            f"servers' {ranks} make {1 + ranks}: ask GET /admin/weights/group again"
+        )
     group = WeightGroup(
         master_address=body.master_address,
         master_port=body.master_port,

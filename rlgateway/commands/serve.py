@@ -64,6 +64,12 @@ def run_serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CLIError(str(exc)) from exc
         train = train.model_copy(update={"database_url": settings.database_url})
+        if train.publish.mode == "collective" and settings.engine == "local":
+            raise CLIError(
+                "publish.mode collective broadcasts to vLLM or SGLang servers (--engine vllm or "
+                "sglang); the local engine takes the weights in process: leave publish.mode "
+                "at disk"
+            )
         if train.run:
             train = _adopt_run(train)
     elif args.config or args.overrides:

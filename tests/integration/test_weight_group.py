@@ -212,6 +212,7 @@ def test_a_separate_trainer_publishes_over_the_group(tiny_model: Path, tmp_path:
     with run_fake_sglang(tiny_model) as a, run_fake_sglang(tiny_model) as b:
         args = ["--engine", "sglang", "--engine-url", a.url, "--engine-url", b.url]
         with run_gateway(tiny_model, tmp_path, extra_args=args) as gw:
+            check_bad_requests(gw.client)
             run_id = gw.create_run("group", {"batch_size": 4, "group_size": 2, "eta": 1})
             config = run_config(
                 tmp_path, run=run_id, database_url=gw.database_url, model=str(tiny_model)
@@ -241,3 +242,59 @@ def test_a_separate_trainer_publishes_over_the_group(tiny_model: Path, tmp_path:
         final = read_weights(find_checkpoint(tmp_path / "ckpt"))
         assert digest_of(a) == digest_of(b) == weights_digest(final)
         assert digest_of(a) != weights_digest(load_file(str(tiny_model / "model.safetensors")))
+
+
+def check_bad_requests(admin: httpx.Client) -> None:
+    """What the weight-group routes answer before any group exists, and to bodies they refuse:
+    each a clear OpenAI-shaped error that changes nothing."""
+    one = [[{"name": "model.norm.weight", "dtype": "float32", "shape": [8]}]]
+    assert admin.get("/admin/weights/group").json() == {"world_size": 3, "intact": False}
+    r = admin.post("/admin/weights/broadcast", json={"buckets": one})
+    assert r.status_code == 409, r.text
+    assert "formed again" in r.json()["error"]["message"]
+    group = {"master_address": "127.0.0.1", "master_port": 1, "world_size": 5, "timeout_s": 5}
+    r = admin.post("/admin/weights/group", json=group)
+    assert r.status_code == 409, r.text
+    assert "has 5 ranks" in r.json()["error"]["message"]
+    bad_dtype = [[{"name": "w", "dtype": "complex128", "shape": [2]}]]
+    for body, status in (
+        ({"buckets": bad_dtype}, 422),
+        ({"buckets": []}, 422),
+        ({"buckets": [[]]}, 400),
+        ({"buckets": one, "version": -3}, 400),
+        ({**group, "world_size": 1}, 422),
+    ):
+        route = "/admin/weights/group" if "world_size" in body else "/admin/weights/broadcast"
+        r = admin.post(route, json=body)
+        assert r.status_code == status, (body, r.text)
+        assert r.json()["error"]["message"]
+    r = admin.post("/admin/weights/broadcast", json={"buckets": one, "version": 0})
+    assert r.json() == {"version": 0, "changed": False}  # the version served: a no-op
+    assert admin.get("/admin/version").json() == {"version": 0}
+
+
+def test_serve_train_broadcasts_into_its_servers(tiny_model: Path, tmp_path: Path) -> None:
+    """`serve --train` with `publish.mode: collective` over two SGLang servers: the in-process
+    trainer is rank 0 and every step reaches both servers over the group."""
+    from tests.integration.test_training_processes import STEPS
+
+    with run_fake_sglang(tiny_model) as a, run_fake_sglang(tiny_model) as b:
+        config = run_config(tmp_path, publish={"mode": "collective", "backend": "gloo"})
+        args = ["--train", "--config", str(config), "--engine", "sglang"]
+        args += ["--engine-url", a.url, "--engine-url", b.url]
+        with run_gateway(tiny_model, tmp_path, extra_args=args, timeout=240) as gw:
+            deadline = time.monotonic() + 60
+            while not (
+                runs := [ln for ln in gw.log_path.read_text().splitlines() if "training run" in ln]
+            ):
+                assert time.monotonic() < deadline, gw.log_tail()
+                time.sleep(0.1)
+            drive(gw, runs[0].split()[2], STEPS)
+            assert gw.client.get("/admin/version").json() == {"version": STEPS}
+            log = gw.log_path.read_text()
+        for server in (a, b):
+            info = httpx.get(f"{server.url}/model_info", timeout=10).json()
+            assert info["weight_version"] == str(STEPS)
+            assert int(httpx.get(f"{server.url}/fake/receives").json()["calls"]) >= STEPS
+        assert digest_of(a) == digest_of(b)
+    assert "did not reach the servers" not in log, log

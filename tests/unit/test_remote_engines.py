@@ -116,6 +116,7 @@ def test_gateway_request_ids_carry_the_session_for_affinity() -> None:
         (["--engine-url", "http://x"], "go with --engine vllm or sglang"),
         (["--engine", "sglang", "--engine-launch", "--engine-url", "http://x"], "not both"),
         (["--engine", "vllm", "--engine-launch", "--engine-url", "http://x"], "not both"),
+        (["--train", "publish.mode=collective"], "publish.mode collective broadcasts to vLLM"),
     ],
 )
 def test_serve_engine_flags_are_checked(
