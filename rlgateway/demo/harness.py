@@ -69,13 +69,6 @@ async def answer(client: AsyncOpenAI, model: str, problem: Problem) -> tuple[str
     return reply.choices[0].message.content or "", tokens
 
 
-SUCCESS_EMA = 0.2
-"""How fast a problem's success rate follows its groups' mean reward."""
-CURRICULUM = 0.75
-"""How much less often a problem answered right every time is picked than one never answered
-right (`Agents.pick`)."""
-
-
 class Agents:
     def __init__(
         self,
@@ -101,8 +94,6 @@ class Agents:
         self.version = version
         self.on_episode = on_episode
         self.rejected = 0
-        self.success = {p.id: 0.0 for p in problems}
-        """Each problem's recent success rate (a moving average over its groups)."""
         self._admin = {"Authorization": f"Bearer {admin_token}"}
         self._t0 = time.perf_counter()
 
@@ -122,23 +113,12 @@ class Agents:
         rng = random.Random(self.seed * 1_000_003 + w)
         g = 0
         while not stop.is_set():
-            problem = self.pick(rng)
+            problem = rng.choice(self.problems)
             sessions = await self._group(http, problem, f"w{w}-g{g}-{problem.id}", stop)
             if sessions is None:
                 return
             g += 1
-            rewards = await asyncio.gather(
-                *(self._episode(http, openai, s, problem) for s in sessions)
-            )
-            mean = sum(rewards) / len(rewards)
-            self.success[problem.id] += SUCCESS_EMA * (mean - self.success[problem.id])
-
-    def pick(self, rng: random.Random) -> Problem:
-        """The next problem: the less often it has been answered right lately, the likelier
-        (weights 1 down to 1 - CURRICULUM), so an instruction the policy has not learned keeps
-        being sampled until some answer to it is right."""
-        weights = [1.0 - CURRICULUM * self.success[p.id] for p in self.problems]
-        return rng.choices(self.problems, weights)[0]
+            await asyncio.gather(*(self._episode(http, openai, s, problem) for s in sessions))
 
     async def _group(
         self, http: httpx.AsyncClient, problem: Problem, group_id: str, stop: asyncio.Event
@@ -161,7 +141,7 @@ class Agents:
 
     async def _episode(
         self, http: httpx.AsyncClient, openai: AsyncOpenAI, s: dict[str, Any], problem: Problem
-    ) -> float:
+    ) -> None:
         client = openai.with_options(base_url=s["base_url"], api_key=s["api_key"])
         text, tokens = await answer(client, self.model, problem)
         version = self.version()
@@ -172,7 +152,6 @@ class Agents:
         (await http.post(f"/sessions/{s['id']}/end", headers=key)).raise_for_status()
         t = time.perf_counter() - self._t0
         self.on_episode(Episode(t, reward, version, tokens, problem.id))
-        return reward
 
 
 ADMIN_TOKEN_ENV = "RLGATEWAY_DEMO_ADMIN_TOKEN"

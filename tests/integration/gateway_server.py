@@ -41,6 +41,19 @@ class GatewayHandle:
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}
 
+    def trained_run(self, within: float = 60) -> str:
+        """The id of the run `serve --train` says it trains (its "training run ID ..." line)."""
+        deadline = time.monotonic() + within
+        while True:
+            lines = self.log_path.read_text().splitlines()
+            runs = [
+                line[line.index("training run ") :] for line in lines if "training run " in line
+            ]
+            if runs:
+                return runs[0].split()[2]
+            assert time.monotonic() < deadline, self.log_tail()
+            time.sleep(0.1)
+
     def create_run(self, name: str = "test", config: Mapping[str, Any] | None = None) -> str:
         r = self.client.post("/runs", json={"name": name, "config": dict(config or {})})
         assert r.status_code == 201, r.text

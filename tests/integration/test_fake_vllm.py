@@ -10,7 +10,6 @@ checks the fake SGLang server's test hooks (`/fake/...`), which both fakes share
 from __future__ import annotations
 
 import asyncio
-import shutil
 import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ from engines.base import FinishReason, GenerateRequest, SamplingParams, WeightUp
 from engines.vllm import VLLMEngine, VLLMEngineConfig
 from tests.support.fake_sglang import run_fake_sglang
 from tests.support.fake_vllm import FakeServer, run_fake_vllm, weights_digest
+from tests.support.perturb import perturbed_dir
 
 pytestmark = pytest.mark.slow
 
@@ -45,15 +45,7 @@ def fake(tiny_model: Path) -> Iterator[FakeServer]:
 @pytest.fixture(scope="module")
 def trained_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with every weight perturbed: a "new policy" to load."""
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path_factory.mktemp("trained") / "model"
-    shutil.copytree(tiny_model, out)
-    state = load_file(str(out / "model.safetensors"))
-    gen = torch.Generator().manual_seed(1)
-    state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return perturbed_dir(tiny_model, tmp_path_factory.mktemp("trained") / "model", seed=1)
 
 
 def load_state(model_dir: Path) -> dict[str, torch.Tensor]:

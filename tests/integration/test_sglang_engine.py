@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from engines.base import (
 from engines.errors import WeightUpdateError
 from engines.sglang import SGLangEngine, SGLangEngineConfig
 from tests.support.fake_sglang import FakeServer, run_fake_sglang
+from tests.support.perturb import perturbed_dir
 
 pytestmark = pytest.mark.slow
 
@@ -48,15 +48,7 @@ def fake(tiny_model: Path) -> Iterator[FakeServer]:
 @pytest.fixture(scope="module")
 def trained_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with every weight perturbed: a "new policy" to load."""
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path_factory.mktemp("trained") / "model"
-    shutil.copytree(tiny_model, out)
-    state = load_file(str(out / "model.safetensors"))
-    gen = torch.Generator().manual_seed(1)
-    state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return perturbed_dir(tiny_model, tmp_path_factory.mktemp("trained") / "model", seed=1)
 
 
 def teacher_forced(model_dir: Path, tokens: list[int], temperature: float) -> list[float]:

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -115,13 +114,7 @@ def test_serve_train_publishes_into_sglang_in_process(tiny_model: Path, tmp_path
     record = tmp_path / "starts.jsonl"
     env = {"PYTHONPATH": PYTHONPATH, "FAKE_SGLANG_RECORD": str(record)}
     with run_gateway(tiny_model, tmp_path, extra_args=args, extra_env=env, timeout=240) as gw:
-        deadline = time.monotonic() + 60
-        while not (
-            runs := [ln for ln in gw.log_path.read_text().splitlines() if "training run" in ln]
-        ):
-            assert time.monotonic() < deadline, gw.log_tail()
-            time.sleep(0.1)
-        drive(gw, runs[0].split()[2], STEPS)
+        drive(gw, gw.trained_run(), STEPS)
         assert gw.client.get("/admin/version").json() == {"version": STEPS}
         [start] = [json.loads(line) for line in record.read_text().splitlines()]
         port = start["argv"][start["argv"].index("--port") + 1]

@@ -71,14 +71,7 @@ def test_serve_with_embedded_trainer(tiny_model: Path, tmp_path: Path, algorithm
     config = run_config(tmp_path, algorithm=algorithm)
     args = ("--train", "--config", str(config))
     with run_gateway(tiny_model, tmp_path, extra_args=args) as gw:
-        runs = [line for line in gw.log_path.read_text().splitlines() if "training run" in line]
-        deadline = time.monotonic() + 30
-        while not runs:
-            assert time.monotonic() < deadline, gw.log_tail()
-            time.sleep(0.1)
-            runs = [ln for ln in gw.log_path.read_text().splitlines() if "training run" in ln]
-        run_id = runs[0].split()[2]
-        drive(gw, run_id, STEPS)
+        drive(gw, gw.trained_run(), STEPS)
         assert gw.client.get("/admin/version").json() == {"version": STEPS}
     last = tmp_path / "ckpt" / f"step-{STEPS:06d}"
     assert last.is_dir()

@@ -14,7 +14,6 @@ import asyncio
 import functools
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from engines.base import (
 from engines.vllm import VLLMEngine, VLLMEngineConfig
 from engines.vllm_launch import VLLMLaunchConfig, VLLMServer, free_port
 from tests.integration.vllm_server import vllm_python
+from tests.support.perturb import perturbed_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,23 +59,12 @@ pytestmark = [
 ]
 
 
-def _trained(tiny_model: Path, out: Path) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(tiny_model, out)
-    state = load_file(str(out / "model.safetensors"))
-    gen = torch.Generator().manual_seed(2)
-    state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
 async def test_nccl_update_under_a_streaming_request(tiny_model: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     python = vllm_python()
     assert python is not None
-    new_dir = _trained(tiny_model, tmp_path / "v1")
+    new_dir = perturbed_dir(tiny_model, tmp_path / "v1", seed=2)
     state = load_file(str(new_dir / "model.safetensors"))
     names = sorted(state)
     cfg = VLLMLaunchConfig(

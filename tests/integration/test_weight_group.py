@@ -32,19 +32,12 @@ from tests.integration.gateway_server import run_gateway
 from tests.integration.test_training_processes import drive, run_config
 from tests.support.fake_sglang import FakeServer, run_fake_sglang, weights_digest
 from tests.support.fake_vllm import run_fake_vllm
+from tests.support.perturb import perturbed
 from trainer.collective import CollectivePublisher, EngineSink, buckets_of, tensor_meta
 from trainer.config import TrainConfig
 from trainer.publish import LocalPublisher
 
 pytestmark = pytest.mark.slow
-
-
-def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state = load_file(str(model_dir / "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
 
 
 def digest_of(server: FakeServer) -> dict[str, str]:
@@ -283,13 +276,7 @@ def test_serve_train_broadcasts_into_its_servers(tiny_model: Path, tmp_path: Pat
         args = ["--train", "--config", str(config), "--engine", "sglang"]
         args += ["--engine-url", a.url, "--engine-url", b.url]
         with run_gateway(tiny_model, tmp_path, extra_args=args, timeout=240) as gw:
-            deadline = time.monotonic() + 60
-            while not (
-                runs := [ln for ln in gw.log_path.read_text().splitlines() if "training run" in ln]
-            ):
-                assert time.monotonic() < deadline, gw.log_tail()
-                time.sleep(0.1)
-            drive(gw, runs[0].split()[2], STEPS)
+            drive(gw, gw.trained_run(), STEPS)
             assert gw.client.get("/admin/version").json() == {"version": STEPS}
             log = gw.log_path.read_text()
         for server in (a, b):

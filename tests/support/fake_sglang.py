@@ -437,25 +437,38 @@ def run_fake_sglang(
 ) -> Iterator[FakeServer]:
     """Start the fake server as a subprocess on loopback (a free port unless given); kill it on
     exit."""
+    with run_fake("tests.support.fake_sglang", model_dir, port, startup_s=startup_s) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def run_fake(
+    module: str,
+    model_dir: str | Path,
+    port: int | None = None,
+    args: Sequence[str] = (),
+    *,
+    startup_s: float = 120,
+) -> Iterator[FakeServer]:
+    """`python -m module --model DIR --port PORT [args]` on loopback (a free port unless given),
+    once its `/health` answers; killed on exit."""
     if port is None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = int(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "tests.support.fake_sglang", "--model", str(model_dir)]
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port)], cwd=Path(__file__).resolve().parents[2], env=os.environ
-    )
+    cmd = [sys.executable, "-m", module, "--model", str(model_dir), "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], env=os.environ)
     server = FakeServer(f"http://127.0.0.1:{port}", proc)
     try:
         deadline = time.monotonic() + startup_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the fake SGLang server exited with {proc.returncode}")
+                raise RuntimeError(f"{module} exited with {proc.returncode}")
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError("the fake SGLang server did not come up")
+                raise TimeoutError(f"{module} did not come up")
             time.sleep(0.2)
         yield server
     finally:

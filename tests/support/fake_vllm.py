@@ -59,17 +59,12 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
@@ -82,6 +77,7 @@ from tests.support.fake_sglang import (
     add_test_hooks,
     join_group,
     receive_tensors,
+    run_fake,
     weights_digest,
 )
 
@@ -653,32 +649,13 @@ def run_fake_vllm(
 ) -> Iterator[FakeServer]:
     """Start the fake vLLM server as a subprocess on loopback (a free port unless given); kill
     it on exit. Yields its `url` (no `/v1`) and process."""
-    if port is None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "tests.support.fake_vllm", "--model", str(model_dir)]
-    cmd += ["--port", str(port)]
+    args: list[str] = []
     if served_model_name is not None:
-        cmd += ["--served-model-name", served_model_name]
+        args += ["--served-model-name", served_model_name]
     if max_model_len is not None:
-        cmd += ["--max-model-len", str(max_model_len)]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], env=os.environ)
-    server = FakeServer(f"http://127.0.0.1:{port}", proc)
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the fake vLLM server exited with {proc.returncode}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("the fake vLLM server did not come up")
-            time.sleep(0.2)
-        yield server
-    finally:
-        server.kill()
+        args += ["--max-model-len", str(max_model_len)]
+    with run_fake("tests.support.fake_vllm", model_dir, port, args, startup_s=startup_s) as s:
+        yield s
 
 
 if __name__ == "__main__":
