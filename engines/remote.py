@@ -144,6 +144,9 @@ class RemoteEngine(abc.ABC):
         self._closed = False
         self._group: WeightGroup | None = None
         """The weight group this server joined (None: none, or a transfer broke it)."""
+        self._mixed = False
+        """A broadcast failed part-way: the server's weights are neither version. No request
+        is sent to it until an update (of any version, this one's too) has loaded whole ones."""
 
     # -- what a server adapter provides -------------------------------------------------------
 
@@ -225,12 +228,14 @@ class RemoteEngine(abc.ABC):
                 await self._receive(broadcast, group, version)
         except (TimeoutError, EngineUnavailableError) as exc:
             self._group = None  # a broken transfer breaks the group: it must be formed again
+            self._mixed = True
             raise WeightUpdateError(
                 f"{self.url} did not receive the weights over {group.name} within "
                 f"{group.timeout_s:g} s: {str(exc) or 'timed out'}"
             ) from exc
         except WeightUpdateError:
             self._group = None
+            self._mixed = True
             raise
 
     # -- the Engine protocol ------------------------------------------------------------------
@@ -252,6 +257,11 @@ class RemoteEngine(abc.ABC):
                     raise TokenOutOfRangeError(t, self.vocab_size)
         if self._closed:
             raise EngineUnavailableError(f"the engine for {self.url} is closed")
+        if self._mixed:
+            raise EngineUnavailableError(
+                f"{self.url} holds part of a weight broadcast that failed: it serves again once "
+                "whole weights are loaded (the trainer publishes that version from disk)"
+            )
         if request.request_id in self._live:
             raise InvalidRequestError(f"request id {request.request_id!r} is already live")
         return self._stream(request)
@@ -338,15 +348,16 @@ class RemoteEngine(abc.ABC):
 
     async def resume(self) -> None:
         async with self._control:
-            if self._paused:
+            if self._paused and not self._mixed:  # mixed weights: the next update resumes
                 await self._resume_server()
-                self._paused = False
                 self._gate.set()
+            self._paused = False
 
     async def update_weights(self, update: WeightUpdate) -> int:
         async with self._control:
             version = update.version if update.version is not None else self._version + 1
-            if version <= self._version:
+            # a server left on mixed weights by a failed broadcast takes its version again
+            if version < self._version or (version == self._version and not self._mixed):
                 raise WeightUpdateError(
                     f"version {version} is not newer than the current version {self._version}"
                 )
@@ -358,8 +369,11 @@ class RemoteEngine(abc.ABC):
                 else:
                     await self._load_weights(update, version)
                 self._version = version
+                self._mixed = False
             finally:
-                if not self._paused:
+                # on mixed weights the server stays paused and requests in flight wait for the
+                # next update, so that no token comes from them
+                if not self._paused and not self._mixed:
                     await self._resume_server()
                     self._gate.set()
             return version

@@ -11,7 +11,8 @@
   once, since its tokens would carry the wrong version, and brought to the current weights: the
   router keeps the last update it applied (a path, or the state dict itself: one copy of the
   weights held in this process until the next update) and loads it into the server under the
-  router's version; good probes then re-admit it. A re-sync that fails is retried with backoff
+  router's version, holding up no update of the other servers meanwhile; good probes then
+  re-admit it. A re-sync that fails is retried with backoff
   (up to `resync_backoff_max` s apart) and the server stays out (`stale`) meanwhile: only a
   server that cannot be brought to the current version is kept out. `health().servers` gives
   each server's version and state (`up`, `down`, `stale`), which the gateway's metrics export.
@@ -83,6 +84,8 @@ class Backend:
     it stays out until re-synced."""
     in_group: bool = False
     """It joined the router's current weight group."""
+    syncing: bool = False
+    """A re-sync is loading weights into it now (updates meanwhile leave it out)."""
 
     @property
     def answering(self) -> bool:
@@ -248,8 +251,8 @@ class Router:
             if update.broadcast is not None:
                 return await self._broadcast(update.broadcast, version)
             # a server out of rotation only for its version takes the update too: it is then
-            # current, and good probes re-admit it
-            backends = [b for b in self.backends if b.answering]
+            # current, and good probes re-admit it (not one a re-sync is loading meanwhile)
+            backends = [b for b in self.backends if b.answering and not b.syncing]
             if not backends:
                 raise EngineUnavailableError("no healthy inference server to update")
             if self.drain:
@@ -358,6 +361,9 @@ class Router:
                 + (f": {gone} left it" if gone else "")
             )
         members = [b for b in self.backends if b.in_group]
+        syncing = [b.name for b in members if b.syncing]
+        if syncing:
+            raise WeightUpdateError(f"{syncing} of the weight group are being re-synced")
         if self.drain:
             await self._drained([b for b in members if b.healthy])
         results = await asyncio.gather(
@@ -441,43 +447,48 @@ class Router:
             await asyncio.gather(*(self._resync(b) for b in lagging))
 
     async def _resync(self, b: Backend) -> None:
-        """Load the last update into `b` under the router's version (no update runs meanwhile);
-        a failure backs off and leaves it out of rotation."""
-        if time.monotonic() < b.resync_at:
+        """Load the last update into `b` under the router's version; a failure backs off and
+        leaves it out of rotation. Only `b` waits for it: updates of the others go on meanwhile
+        (they leave `b` out), and if one lands, `b` is re-synced to it at the next probe."""
+        if time.monotonic() < b.resync_at or b.syncing:
             return
-        async with self._control:
-            current = self._current
-            if current is None:
-                b.detail = (
-                    f"serves version {b.version}, not {self._version}, and no update since this "
-                    "router started holds the weights to re-sync it: the next update reaches it"
-                )
-                return
-            if b.engine.version() == self._version and not b.dirty:  # an update reached it
-                return
-            try:
-                async with asyncio.timeout(self.resync_timeout):
-                    await b.engine.update_weights(current)
-            except Exception as exc:  # a server that cannot take the weights stays out
-                b.resync_delay = min(
-                    max(2 * b.resync_delay, self.health_interval), self.resync_backoff_max
-                )
-                b.resync_at = time.monotonic() + b.resync_delay
-                b.detail = f"re-sync to version {self._version} failed: {exc}"
-                log.error(
-                    "inference server %s cannot be brought to version %d (%s); retrying in %.0f s",
-                    b.name,
-                    self._version,
-                    exc,
-                    b.resync_delay,
-                )
-                return
-            b.version = b.engine.version()
-            b.lagging = False
-            b.dirty = False
-            b.resync_delay = 0.0
-            b.detail = "re-synced; re-admitted after good probes"
-            log.info("re-synced inference server %s to version %d", b.name, b.version)
+        current, version = self._current, self._version
+        if current is None:
+            b.detail = (
+                f"serves version {b.version}, not {version}, and no update since this router "
+                "started holds the weights to re-sync it: the next update reaches it"
+            )
+            return
+        if b.engine.version() == version and not b.dirty:  # an update reached it
+            return
+        b.syncing = True
+        try:
+            async with asyncio.timeout(self.resync_timeout):
+                await b.engine.update_weights(current)
+        except Exception as exc:  # a server that cannot take the weights stays out
+            b.resync_delay = min(
+                max(2 * b.resync_delay, self.health_interval), self.resync_backoff_max
+            )
+            b.resync_at = time.monotonic() + b.resync_delay
+            b.detail = f"re-sync to version {version} failed: {exc}"
+            log.error(
+                "inference server %s cannot be brought to version %d (%s); retrying in %.0f s",
+                b.name,
+                version,
+                exc,
+                b.resync_delay,
+            )
+            return
+        finally:
+            b.syncing = False
+        b.version = b.engine.version()
+        if self._version != version:  # the others moved on meanwhile: again at the next probe
+            return
+        b.lagging = False
+        b.dirty = False
+        b.resync_delay = 0.0
+        b.detail = "re-synced; re-admitted after good probes"
+        log.info("re-synced inference server %s to version %d", b.name, b.version)
 
     async def _probe_loop(self) -> None:
         while not self._closed:

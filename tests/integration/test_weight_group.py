@@ -23,7 +23,18 @@ import httpx
 import pytest
 import torch
 
-from engines.base import Engine, TensorMeta
+from engines.base import (
+    Broadcast,
+    Engine,
+    GenerateRequest,
+    SamplingParams,
+    TensorMeta,
+    WeightGroup,
+    WeightUpdate,
+    collect,
+)
+from engines.errors import EngineUnavailableError, WeightUpdateError
+from engines.launch import free_port as _free_port
 from engines.router import Router
 from engines.sglang import SGLangEngine, SGLangEngineConfig
 from engines.vllm import VLLMEngine, VLLMEngineConfig
@@ -32,7 +43,7 @@ from tests.integration.gateway_server import run_gateway
 from tests.integration.test_training_processes import drive, run_config
 from tests.support.fake_sglang import FakeServer, run_fake_sglang, weights_digest
 from tests.support.fake_vllm import run_fake_vllm
-from tests.support.perturb import perturbed
+from tests.support.perturb import perturbed, perturbed_dir
 from trainer.collective import CollectivePublisher, EngineSink, buckets_of, tensor_meta
 from trainer.config import TrainConfig
 from trainer.publish import LocalPublisher
@@ -175,6 +186,71 @@ async def test_a_transfer_that_fails_part_way_goes_from_disk(
             assert (pub.broadcasts, fallback.versions) == (2, [2])
             for server in servers:
                 assert await served_digest(server) == weights_digest(v3)
+
+
+async def test_a_failed_broadcast_leaves_the_old_weights(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No fallback follows the failed broadcast here: the router re-syncs every member from
+    the last update it applied (version 1, from disk), at that same version, so the servers
+    are back in rotation on whole version-1 weights; a single server on its own (no router)
+    refuses requests while its weights are mixed and takes its own version again."""
+    from trainer.collective import GroupSender
+
+    v1_dir = perturbed_dir(tiny_model, tmp_path / "v1", seed=1)
+    v1, v2 = perturbed(tiny_model, 1), perturbed(tiny_model, 2)
+    monkeypatch.setenv("FAKE_GROUP_TIMEOUT_S", "5")
+    with sglang_and_vllm(tiny_model) as servers:
+        async with router_over(servers) as router:
+            assert await router.update_weights(WeightUpdate(path=v1_dir)) == 1
+            group = WeightGroup("127.0.0.1", _free_port(), 3, backend="gloo", timeout_s=5)
+            sender, _ = await asyncio.gather(
+                asyncio.to_thread(GroupSender, group), router.join_weight_group(group)
+            )
+            await call("POST", f"{servers[1].url}/fake/fail_next_receive")
+            names = list(v2)
+            update = WeightUpdate(
+                broadcast=Broadcast(buckets_of([tensor_meta(n, v2[n]) for n in names], 64 << 10)),
+                version=2,
+            )
+            sending = asyncio.create_task(asyncio.to_thread(sender.send, [v2[n] for n in names]))
+            with pytest.raises(WeightUpdateError, match="broadcast of version 2 failed"):
+                await router.update_weights(update)
+            with contextlib.suppress(RuntimeError):  # the sender timed out: expected
+                await sending
+            assert router.version() == 1
+            deadline = time.monotonic() + 30
+            while {s.state for s in (await router.health()).servers} != {"up"}:
+                assert time.monotonic() < deadline, (await router.health()).servers
+                await asyncio.sleep(0.1)
+            assert {s.version for s in (await router.health()).servers} == {1}
+            for server in servers:
+                assert await served_digest(server) == weights_digest(v1)
+
+    with run_fake_sglang(tiny_model) as server:
+        engine = await SGLangEngine.connect(SGLangEngineConfig(url=server.url))
+        try:
+            group = WeightGroup("127.0.0.1", _free_port(), 2, backend="gloo", timeout_s=5)
+            sender, _ = await asyncio.gather(
+                asyncio.to_thread(GroupSender, group), engine.join_weight_group(group)
+            )
+            await call("POST", f"{server.url}/fake/fail_next_receive")
+            sending = asyncio.create_task(asyncio.to_thread(sender.send, [v2[n] for n in names]))
+            with pytest.raises(WeightUpdateError):
+                await engine.update_weights(update)
+            with contextlib.suppress(RuntimeError):
+                await sending
+            assert engine.version() == 0
+            sampling = SamplingParams(max_new_tokens=2)
+            with pytest.raises(EngineUnavailableError, match="failed"):
+                engine.generate(GenerateRequest(prompt_ids=(1, 2, 3), sampling=sampling))
+            # its own version again, from whole weights: it serves again
+            assert await engine.update_weights(WeightUpdate(path=v1_dir, version=0)) == 0
+            r = await collect(engine, GenerateRequest(prompt_ids=(1, 2, 3), sampling=sampling))
+            assert len(r.token_ids) == 2
+            assert await served_digest(server) == weights_digest(v1)
+        finally:
+            await engine.close()
 
 
 async def test_a_server_that_cannot_join_sends_the_version_from_disk(tiny_model: Path) -> None:
