@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -48,10 +49,8 @@ def tensor_meta(name: str, tensor: torch.Tensor) -> TensorMeta:
 
 
 def nbytes(meta: TensorMeta) -> int:
-    size = torch.empty((), dtype=getattr(torch, meta.dtype)).element_size()
-    for n in meta.shape:
-        size *= n
-    return size
+    dtype: torch.dtype = getattr(torch, meta.dtype)
+    return dtype.itemsize * math.prod(meta.shape)
 
 
 def buckets_of(

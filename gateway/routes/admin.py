@@ -48,21 +48,29 @@ async def load_weights(gw: GatewayDep, _: AdminDep, body: WeightsIn) -> dict[str
     policy (a restarted gateway serves it again). `changed` is false when `version` is the one
     served already: nothing is loaded."""
     served = gw.engine.version()
-    if body.version == served:
+    if _already_served(served, body.version):
         return {"version": served, "changed": False}
-    newest = served + 1
-    if body.version is not None and not newest <= body.version <= MAX_POLICY_VERSION:
-        # the store records versions as int32: a larger one would fail every later turn
-        raise BadRequest(
-            f"version must be in [{newest}, {MAX_POLICY_VERSION}] (newer than the engine's "
-            f"version {served}, and at most {MAX_POLICY_VERSION}), or {served} itself (a "
-            f"no-op), got {body.version}",
-            param="version",
-        )
     path = await asyncio.to_thread(_model_dir, Path(body.path))
     version = await gw.engine.update_weights(WeightUpdate(path=path, version=body.version))
     await gw.store.record_policy(version, str(path))
     return {"version": version, "changed": True}
+
+
+def _already_served(served: int, version: int | None) -> bool:
+    """Whether `version` is the one served (a no-op); BadRequest unless it is that or newer,
+    within `MAX_POLICY_VERSION` (the store records versions as int32: a larger one would fail
+    every later turn). None means served + 1."""
+    if version == served:
+        return True
+    newest = served + 1
+    if version is not None and not newest <= version <= MAX_POLICY_VERSION:
+        raise BadRequest(
+            f"version must be in [{newest}, {MAX_POLICY_VERSION}] (newer than the engine's "
+            f"version {served}, and at most {MAX_POLICY_VERSION}), or {served} itself (a "
+            f"no-op), got {version}",
+            param="version",
+        )
+    return False
 
 
 def _model_dir(path: Path) -> Path:
@@ -150,14 +158,8 @@ async def broadcast_weights(gw: GatewayDep, _: AdminDep, body: BroadcastIn) -> d
     nothing: on any failure (409) the version stays and the group must be formed again."""
     _member(gw)
     served = gw.engine.version()
-    if body.version == served:
+    if _already_served(served, body.version):
         return {"version": served, "changed": False}
-    if body.version is not None and not served < body.version <= MAX_POLICY_VERSION:
-        raise BadRequest(
-            f"version must be in [{served + 1}, {MAX_POLICY_VERSION}], or {served} itself (a "
-            f"no-op), got {body.version}",
-            param="version",
-        )
     broadcast = Broadcast(
         tuple(
             tuple(TensorMeta(t.name, t.dtype, tuple(t.shape)) for t in bucket)
