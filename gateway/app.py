@@ -99,8 +99,10 @@ def create_app(
         admin,
         engines,
         export,
+        messages,
         openai,
         prometheus,
+        responses,
         run_sessions,
         runs,
         sessions,
@@ -139,6 +141,8 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(openai.router)
+    app.include_router(responses.router)
+    app.include_router(messages.router)
     app.include_router(runs.router)
     app.include_router(sessions.router)
     app.include_router(admin.router)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +80,31 @@ def normalize_messages(messages: list[ChatMessage]) -> list[Message]:
 
 
 def normalize_tools(tools: list[Tool] | None) -> list[dict[str, Any]]:
-    return [t.model_dump(exclude_none=True) for t in tools or []]
+    """Chat tools as the template gets them: name, description and parameters (`strict` and
+    other flags never change the prompt)."""
+    return [
+        function_tool(t.function.name, t.function.description, t.function.parameters)
+        for t in tools or []
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Tools:
+    callable: list[dict[str, Any]]
+    """As chat tools: `{"type": "function", "function": {"name", "description", "parameters"}}`."""
+    left_out: list[str]
+    """The kinds (or names) of the tools the model cannot call."""
+
+
+def function_tool(name: str, description: str | None, parameters: Any) -> dict[str, Any]:
+    """A callable tool as the chat template gets it (`strict` and the like never change the
+    prompt)."""
+    fn: dict[str, Any] = {"name": name}
+    if description is not None:
+        fn["description"] = description
+    if parameters is not None:
+        fn["parameters"] = parameters
+    return {"type": "function", "function": fn}
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,16 +139,14 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
     return (content or None), calls
 
 
-def tool_call_json(calls: list[ParsedToolCall], prefix: str) -> list[dict[str, Any]]:
-    """OpenAI `message.tool_calls` for parsed calls, with fresh ids."""
-    return [
-        {
-            "id": f"call_{prefix}_{i}_{uuid.uuid4().hex[:8]}",
-            "type": "function",
-            "function": {"name": c.name, "arguments": c.arguments},
-        }
-        for i, c in enumerate(calls)
-    ]
+def required_prefill() -> str:
+    """The reply's forced start when some tool must be called."""
+    return f"{TOOL_CALL_OPEN}\n"
+
+
+def named_prefill(name: str) -> str:
+    """The reply's forced start when the tool `name` must be called."""
+    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
 
 
 class ChatRenderer:

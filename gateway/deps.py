@@ -19,11 +19,15 @@ from gateway.auth import SessionDirectory
 from gateway.chat import ChatService
 from gateway.chat_render import ChatRenderer
 from gateway.completions import CompletionService
+from gateway.kept_responses import KeptResponses
+from gateway.messages import MessagesService
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
+from gateway.responses import ResponsesService
 from gateway.run_configs import RunConfigs
 from gateway.segments import SegmentTracker
 from gateway.settings import GatewaySettings
+from gateway.turn import TurnCore
 from store import Store
 
 RunConfigCheck = Callable[[dict[str, Any]], None]
@@ -67,6 +71,8 @@ class Gateway:
     recorder: Recorder
     chat: ChatService
     completions: CompletionService
+    responses: ResponsesService
+    messages: MessagesService
     admission: Admission
     sessions: SessionDirectory
     run_configs: RunConfigs
@@ -91,13 +97,16 @@ def build_gateway(
     metrics = metrics or GatewayMetrics()
     renderer = ChatRenderer(c.tokenizer, c.eos_token_ids)
     recorder = Recorder(c.store, SegmentTracker(c.store), on_commit=metrics.observe_records)
+    core = TurnCore(c.engine, renderer, recorder, c.model_name)
     return Gateway(
         settings=settings,
         components=c,
         renderer=renderer,
         recorder=recorder,
-        chat=ChatService(c.engine, renderer, recorder, c.model_name),
-        completions=CompletionService(c.engine, renderer, recorder, c.model_name),
+        chat=ChatService(core),
+        completions=CompletionService(core),
+        responses=ResponsesService(core, KeptResponses(c.store)),
+        messages=MessagesService(core),
         admission=Admission(c.store),
         sessions=SessionDirectory(c.store),
         run_configs=RunConfigs(c.store),

@@ -22,6 +22,8 @@ class IncrementalDecoder:
         """Everything decoded so far (special tokens skipped), cut at a matched stop string."""
         self.stopped = False
         """True once a stop string matched: `ids` ends with the token that completed it."""
+        self.matched: str | None = None
+        """The stop string that matched."""
         self._prefix = 0
         self._read = 0
         self._watch = [*stop_strings, *holdback]
@@ -52,7 +54,8 @@ class IncrementalDecoder:
                 (pos, s) for s in self.stop_strings if (pos := self.text.find(s, window_from)) >= 0
             ]
             if hits:
-                self.text = self.text[: min(hits)[0]]
+                at, self.matched = min(hits)
+                self.text = self.text[:at]
                 self.stopped = True
 
     def flush(self) -> None:

@@ -160,18 +160,57 @@ def invalid_input(message: str, param: str | None) -> PydanticCustomError:
     return PydanticCustomError(INVALID_INPUT, "{message}", {"message": message, "param": param})
 
 
-def error_response(exc: GatewayError) -> JSONResponse:
-    """The response of a gateway error: its status, OpenAI-shaped body and headers."""
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_route(path: str) -> bool:
+    """The Anthropic routes answer errors in Anthropic's shape."""
+    return path.endswith(("/v1/messages", "/v1/messages/count_tokens"))
+
+
+def _shaped(
+    path: str | None,
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None,
+    code: str | None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    if path is not None and anthropic_route(path):
+        # Anthropic answers every invalid request 400, a field's own value included
+        status = 400 if status == 422 else status
+        return JSONResponse(
+            anthropic_error_body(status, message), status_code=status, headers=headers
+        )
+    return JSONResponse(
+        error_body(message, type_, param, code), status_code=status, headers=headers
+    )
+
+
+def error_response(exc: GatewayError, path: str | None = None) -> JSONResponse:
+    """The response of a gateway error: its status, body (OpenAI's shape, or Anthropic's on its
+    routes) and headers."""
     headers = {}
     if isinstance(exc, TooManyRequests | Unavailable) and exc.retry_after is not None:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     if isinstance(exc, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(
-        error_body(exc.message, exc.type, exc.param, exc.code),
-        status_code=exc.status,
-        headers=headers,
-    )
+    return _shaped(path, exc.status, exc.message, exc.type, exc.param, exc.code, headers)
 
 
 def translate(exc: Exception) -> GatewayError:
@@ -225,9 +264,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         status, message, param = _validation_message(exc)
-        return JSONResponse(
-            error_body(message, "invalid_request_error", param, None), status_code=status
-        )
+        return _shaped(request.url.path, status, message, "invalid_request_error", param, None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -239,23 +276,21 @@ def install_error_handlers(app: FastAPI) -> None:
             allowed = ", ".join(allowed_methods(request))
             headers["Allow"] = allowed
             message = f"{request.method} is not allowed on {request.url.path}: use {allowed}"
-        return JSONResponse(
-            error_body(message, type_, None, code),
-            status_code=exc.status_code,
-            headers=headers,
-        )
+        return _shaped(request.url.path, exc.status_code, message, type_, None, code, headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette's outermost middleware sends this response, then re-raises for the server
         # to log; a response already under way (a stream) is cut off, as nothing can be sent.
-        return error_response(GatewayError(f"internal error: {type(exc).__name__}"))
+        return error_response(
+            GatewayError(f"internal error: {type(exc).__name__}"), request.url.path
+        )
 
     from engines.errors import EngineError
     from store.errors import StoreError
 
     async def _known(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(translate(exc))
+        return error_response(translate(exc), request.url.path)
 
     for cls in (GatewayError, EngineError, StoreError):
         app.add_exception_handler(cls, _known)

@@ -45,7 +45,9 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await error_response(PayloadTooLarge(self._message()))(scope, receive, send)
+            await error_response(PayloadTooLarge(self._message()), scope["path"])(
+                scope, receive, send
+            )
             return
         seen = 0
 

@@ -10,7 +10,7 @@ temperature 1, contract `record`.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, replace
 
 from engines.base import SamplingParams
 from store.run_config import ClientSampling, RunConfig
@@ -25,30 +25,41 @@ def contract_of(run: RunConfig | None) -> ClientSampling:
     return "record" if run is None else run.client_sampling
 
 
-def sampling_params(
-    body: Any, max_new: int | None, top_logprobs: int, run: RunConfig | None
-) -> SamplingParams:
-    """The settings a request of `run` (None: outside any run) samples with. `body` is a chat or
-    completions request (`gateway.openai_types`)."""
-    kept = {
-        "seed": body.seed,
-        "max_new_tokens": max_new,
-        "stop_token_ids": tuple(body.stop_token_ids or ()),
-        "ignore_eos": body.ignore_eos,
-        "top_logprobs": top_logprobs,
-    }
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """What a request asks of sampling, in any protocol's terms (None: it did not say)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    """-1 or 0: off."""
+    min_tokens: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    max_new_tokens: int | None = None
+    top_logprobs: int = 0
+
+
+def sampling_params(asked: Asked, run: RunConfig | None) -> SamplingParams:
+    """The settings a request of `run` (None: outside any run) samples with."""
+    kept = SamplingParams(
+        seed=asked.seed,
+        max_new_tokens=asked.max_new_tokens,
+        stop_token_ids=asked.stop_token_ids,
+        ignore_eos=asked.ignore_eos,
+        top_logprobs=asked.top_logprobs,
+    )
     if run is not None and run.client_sampling == "run":
         # what the trainer recomputes exactly: the run's temperature, nothing truncated or masked
-        return SamplingParams(
-            temperature=run.temperature, top_p=1.0, top_k=0, min_new_tokens=0, **kept
-        )
+        return replace(kept, temperature=run.temperature, top_p=1.0, top_k=0, min_new_tokens=0)
     default = UNRECORDED_TEMPERATURE if run is None else run.temperature
-    return SamplingParams(
-        temperature=default if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(0, body.top_k or 0),
-        min_new_tokens=body.min_tokens,
-        **kept,
+    return replace(
+        kept,
+        temperature=default if asked.temperature is None else asked.temperature,
+        top_p=1.0 if asked.top_p is None else asked.top_p,
+        top_k=max(0, asked.top_k or 0),
+        min_new_tokens=asked.min_tokens,
     )
 
 

@@ -16,6 +16,7 @@ from store.trajectories import check_gamma, load_sessions
 from store.types import (
     JSON,
     CompletionRecord,
+    KeptTurn,
     NewSession,
     PublishedPolicy,
     Run,
@@ -214,6 +215,11 @@ class Store:
             await self._group.record(records)
         else:
             await turns.record_completions(self._db, records)
+
+    async def get_turn(self, completion_id: str) -> KeptTurn | None:
+        """The recorded turn of a completion id (its session, status, request and response), or
+        None when there is none."""
+        return await turns.get_turn(self._db, completion_id)
 
     # rewards
 

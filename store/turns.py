@@ -27,7 +27,7 @@ from store.db import Database, utcnow
 from store.errors import ConflictError, NotFoundError, SessionEndedError
 from store.sessions import session_not_found
 from store.tables import CompletionRow, SegmentRow, SessionRow
-from store.types import JSON, CompletionRecord, LastTurn, SegmentState, TurnStatus
+from store.types import JSON, CompletionRecord, KeptTurn, LastTurn, SegmentState, TurnStatus
 
 
 def _check(record: CompletionRecord) -> None:
@@ -383,6 +383,25 @@ def _completion_row(
         ttft_ms=record.ttft_ms,
         created_at=now,
     )
+
+
+async def get_turn(db: Database, completion_id: str) -> KeptTurn | None:
+    """The recorded turn of this completion id, or None."""
+    async with db.read() as s:
+        row = (
+            await s.execute(
+                select(
+                    CompletionRow.session_id,
+                    CompletionRow.status,
+                    CompletionRow.request,
+                    CompletionRow.response,
+                ).where(CompletionRow.id == completion_id)
+            )
+        ).first()
+    if row is None:
+        return None
+    session_id, status, request, response = row
+    return KeptTurn(completion_id, session_id, TurnStatus(status), request, response)
 
 
 async def load_segments(db: Database, session_id: str) -> list[SegmentState]:

@@ -123,6 +123,19 @@ class LastTurn:
 
 
 @dataclass(frozen=True, slots=True)
+class KeptTurn:
+    """One recorded turn as the protocols that chain on earlier responses read it back."""
+
+    completion_id: str
+    session_id: str
+    status: TurnStatus
+    request: JSON
+    """The request body it answered (with the gateway's own part, `gateway.turn.RECORD_KEY`)."""
+    response: JSON
+    """Its response JSON, in its protocol."""
+
+
+@dataclass(frozen=True, slots=True)
 class SegmentState:
     """What the gateway needs to extend a segment: its transcript and its exact tokens."""
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gateway.chat import chat_spec
 from gateway.openai_types import ChatCompletionRequest
 from gateway.sampling import record_of, sampling_params
 from store.run_config import RunConfig, reproducible_temperature
@@ -24,7 +25,9 @@ def test_under_contract_run_every_turn_is_recorded_trainable_at_the_runs_tempera
     sampling: dict[str, Any],
 ) -> None:
     run = RunConfig(temperature=0.7, client_sampling="run")
-    record = record_of(sampling_params(request(**sampling), 8, 0, run), run.client_sampling)
+    record = record_of(
+        sampling_params(chat_spec(request(**sampling)).asked, run), run.client_sampling
+    )
     assert reproducible_temperature(record, default=1.0) == 0.7
 
 
@@ -44,7 +47,9 @@ def test_under_contract_record_a_turn_is_trained_only_where_it_can_be_reproduced
     sampling: dict[str, Any], trained_at: float | None
 ) -> None:
     run = RunConfig(temperature=0.7)
-    record = record_of(sampling_params(request(**sampling), 8, 0, run), run.client_sampling)
+    record = record_of(
+        sampling_params(chat_spec(request(**sampling)).asked, run), run.client_sampling
+    )
     assert record["contract"] == "record"
     assert reproducible_temperature(record, default=run.temperature) == trained_at
 

@@ -1,0 +1,198 @@
+"""Anthropic Messages' request schemas (`POST /v1/messages`, `/v1/messages/count_tokens`), and
+their content blocks as neutral messages (`gateway.turn.ChatPrompt`).
+
+Blocks become the same normalized messages chat completions records
+(`gateway.chat_render.normalize_messages`): an assistant message's `text` blocks are its content
+and its `tool_use` blocks its tool calls; a user message's `tool_result` blocks are tool messages
+(in order), and its text blocks a user message after them. `system` (a string or text blocks,
+joined by newlines) is the first message. Tool-use ids are the gateway's own call ids with
+Anthropic's `toolu_` prefix, so a conversation that moves between Messages and the OpenAI
+protocols continues its segment token for token.
+
+`thinking` blocks, `cache_control`, `thinking`, `context_management`, `output_config` and
+`metadata` are accepted; tools the model cannot call (Anthropic's server and computer tools,
+which have no `input_schema`) are left out, never a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from gateway.chat_render import Message, Tools, function_tool
+from gateway.errors import BadRequest
+from gateway.limits import CheckedBody
+from gateway.openai_types import Int, Num, TokenCount
+
+CALL_PREFIX, TOOLU_PREFIX = "call_", "toolu_"
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class AnthropicMessage(_Open):
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class CountTokensRequest(_Open, CheckedBody):
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: TokenCount
+    """A limit, not a demand: capped at the room the prompt leaves in the model's context."""
+    stop_sequences: list[str] | None = None
+    temperature: Num | None = Field(None, ge=0.0, le=1.0)
+    top_p: Num | None = Field(None, gt=0.0, le=1.0)
+    top_k: Int | None = Field(None, ge=0)
+    stream: StrictBool = False
+
+
+def tool_use_id(call_id: str) -> str:
+    return TOOLU_PREFIX + call_id.removeprefix(CALL_PREFIX)
+
+
+def call_id_of(use_id: str) -> str:
+    """The gateway's call id behind a tool-use id it handed out (any other id as it is)."""
+    if use_id.startswith(TOOLU_PREFIX):
+        return CALL_PREFIX + use_id.removeprefix(TOOLU_PREFIX)
+    return use_id
+
+
+def tools_of(tools: list[dict[str, Any]] | None) -> Tools:
+    callable_: list[dict[str, Any]] = []
+    left_out: list[str] = []
+    for i, t in enumerate(tools or []):
+        name = t.get("name")
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"tools.{i}.name: a tool needs a name", param=f"tools.{i}.name")
+        if t.get("type") not in (None, "custom") or "input_schema" not in t:
+            left_out.append(name)
+            continue
+        callable_.append(function_tool(name, t.get("description"), t["input_schema"]))
+    return Tools(callable_, left_out)
+
+
+def _block_text(block: dict[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise BadRequest(f"{where}.text must be a string", param=f"{where}.text")
+    return text
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string or a list of text blocks", param=where)
+    parts = []
+    for i, b in enumerate(content):
+        if not isinstance(b, dict) or b.get("type") != "text":
+            kind = b.get("type") if isinstance(b, dict) else None
+            raise BadRequest(
+                f"{where}.{i}: blocks of type {kind!r} are not supported here: send text",
+                param=f"{where}.{i}",
+            )
+        parts.append(_block_text(b, f"{where}.{i}"))
+    return "".join(parts)
+
+
+def system_text(system: str | list[dict[str, Any]] | None) -> str:
+    if isinstance(system, list):
+        return "\n".join(_block_text(b, f"system.{i}") for i, b in enumerate(system))
+    return system or ""
+
+
+def neutral_messages(body: CountTokensRequest) -> list[Message]:
+    """The request's system prompt and messages as normalized messages. A `tool_result` must
+    answer a `tool_use` of the assistant message just before it, by its id."""
+    out: list[Message] = []
+    if system := system_text(body.system):
+        out.append({"role": "system", "content": system})
+    uses: set[str] = set()
+    for i, m in enumerate(body.messages):
+        at = f"messages.{i}"
+        if m.role not in ("user", "assistant"):
+            raise BadRequest(f"{at}.role must be user or assistant", param=f"{at}.role")
+        blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        results: list[Message] = []
+        for j, b in enumerate(blocks):
+            where = f"{at}.content.{j}"
+            kind = b.get("type")
+            if kind == "text":
+                texts.append(_block_text(b, where))
+            elif kind in ("thinking", "redacted_thinking"):
+                continue
+            elif kind == "tool_use" and m.role == "assistant":
+                use_id, name, args = b.get("id"), b.get("name"), b.get("input", {})
+                if not isinstance(use_id, str) or not isinstance(name, str):
+                    raise BadRequest(f"{where}: a tool_use needs an id and a name", param=where)
+                if not isinstance(args, dict):
+                    raise BadRequest(f"{where}.input must be an object", param=f"{where}.input")
+                calls.append({"type": "function", "function": {"name": name, "arguments": args}})
+                uses.add(use_id)
+            elif kind == "tool_result" and m.role == "user":
+                use_id = b.get("tool_use_id")
+                if use_id not in uses:
+                    raise BadRequest(
+                        f"{where}.tool_use_id: a tool_result must answer a tool_use of the "
+                        f"assistant message before it; {use_id!r} is none of "
+                        f"{sorted(uses) or 'them (there are none)'}",
+                        param=f"{where}.tool_use_id",
+                    )
+                content = _text(b.get("content"), f"{where}.content")
+                results.append(
+                    {"role": "tool", "content": content, "tool_call_id": call_id_of(use_id)}
+                )
+            else:
+                raise BadRequest(
+                    f"{where}: blocks of type {kind!r} are not supported in a {m.role} message: "
+                    "send text, tool_use (assistant), tool_result (user) or thinking",
+                    param=f"{where}.type",
+                )
+        if m.role == "assistant":
+            msg: Message = {"role": "assistant", "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+            continue
+        uses = set()
+        out.extend(results)
+        if texts or not results:
+            out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def tool_choice_of(choice: dict[str, Any] | None, names: set[str]) -> tuple[str, str]:
+    """("none" | "auto" | "required" | "named", the tool's name for "named")."""
+    kind = "auto" if choice is None else choice.get("type")
+    if not names:
+        if kind == "tool" or kind == "any":
+            raise BadRequest(
+                f"tool_choice {kind!r} needs tools the model can call", param="tool_choice"
+            )
+        return "none", ""
+    if kind in ("auto", "none"):
+        return str(kind), ""
+    if kind == "any":
+        return "required", ""
+    if kind == "tool":
+        assert choice is not None
+        name = choice.get("name")
+        if name not in names:
+            raise BadRequest(
+                f"tool_choice names {name!r}, which is not in tools", param="tool_choice.name"
+            )
+        return "named", str(name)
+    raise BadRequest("tool_choice.type must be auto, any, tool or none", param="tool_choice.type")

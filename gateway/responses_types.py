@@ -1,0 +1,214 @@
+"""The Responses API's request schema (`POST /v1/responses`), and its input items as neutral
+messages (`gateway.turn.ChatPrompt`).
+
+Input items become the same normalized messages chat completions records
+(`gateway.chat_render.normalize_messages`): messages by role (developer as system), an assistant
+message and the `function_call` items after it as one assistant message with tool calls, each
+`function_call_output` as a tool message. So a conversation that moves between chat completions
+and Responses continues its segment token for token.
+
+Tools: function tools are callable (a `namespace` group's function tools too, flattened); hosted
+tools (`web_search`, `file_search`, `computer_use_preview`, `mcp`, ...) and custom tools are not,
+and are left out (`Tools.left_out` names them; the response says so in a header), never a 400.
+Reasoning items the client returns are accepted; the encrypted content the gateway handed out
+finds the exact earlier tokens again (`gateway.responses`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from engines.base import MAX_TOP_LOGPROBS
+from gateway.chat_render import Message, Tools, function_tool
+from gateway.errors import BadRequest
+from gateway.limits import CheckedBody
+from gateway.openai_types import Int, Num, TokenCount
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ResponsesRequest(_Open, CheckedBody):
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(default_factory=list)
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    max_output_tokens: TokenCount | None = None
+    temperature: Num | None = Field(None, ge=0.0, le=2.0)
+    top_p: Num | None = Field(None, gt=0.0, le=1.0)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    store: StrictBool = True
+    previous_response_id: str | None = None
+    stream: StrictBool = False
+    include: list[str] | None = None
+    metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None
+
+
+# -- tools ------------------------------------------------------------------------------------
+
+
+def tools_of(tools: list[dict[str, Any]] | None) -> Tools:
+    callable_: list[dict[str, Any]] = []
+    left_out: list[str] = []
+
+    def walk(items: list[Any], where: str) -> None:
+        for i, t in enumerate(items):
+            if not isinstance(t, dict):
+                raise BadRequest(f"{where}.{i} must be an object", param=f"{where}.{i}")
+            kind = t.get("type")
+            if kind == "function":
+                name = t.get("name")
+                if not isinstance(name, str) or not name:
+                    raise BadRequest(
+                        f"{where}.{i}.name: a function tool needs a name", param=f"{where}.{i}.name"
+                    )
+                callable_.append(function_tool(name, t.get("description"), t.get("parameters")))
+            elif kind == "namespace" and isinstance(t.get("tools"), list):
+                walk(t["tools"], f"{where}.{i}.tools")
+            else:
+                left_out.append(str(t.get("name") or kind))
+
+    walk(tools or [], "tools")
+    return Tools(callable_, left_out)
+
+
+# -- input items ------------------------------------------------------------------------------
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string or a list of text parts", param=where)
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+            raise BadRequest(
+                f"{where}.{i}: content of type {kind!r} is not supported: send text parts",
+                param=f"{where}.{i}",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise BadRequest(f"{where}.{i}.text must be a string", param=f"{where}.{i}.text")
+        parts.append(text)
+    return "".join(parts)
+
+
+def _arguments(raw: Any, where: str) -> Any:
+    if isinstance(raw, dict):
+        return raw
+    if not isinstance(raw, str):
+        raise BadRequest(f"{where} must be a JSON string", param=where)
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+
+
+def input_messages(
+    items: str | list[dict[str, Any]], *, open_calls: frozenset[str] = frozenset()
+) -> list[Message]:
+    """The input items as normalized messages. A `function_call_output` must answer a
+    `function_call` of the assistant turn before it (by `call_id`; `open_calls` are those of the
+    response it chains on), as chat requires of tool messages; `reasoning` items are context the
+    gateway finds its own tokens by, not messages."""
+    where = "input"
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[Message] = []
+    calls: set[str] = set(open_calls)
+    for i, item in enumerate(items):
+        at = f"{where}.{i}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = ROLES.get(str(item.get("role")))
+            if role is None:
+                raise BadRequest(
+                    f"{at}.role must be user, assistant, system or developer", param=f"{at}.role"
+                )
+            out.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
+            calls = set()
+        elif kind == "function_call":
+            call_id, name = item.get("call_id"), item.get("name")
+            if not isinstance(call_id, str) or not isinstance(name, str):
+                raise BadRequest(f"{at}: a function_call needs call_id and name", param=at)
+            call = {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": _arguments(item.get("arguments", "{}"), f"{at}.arguments"),
+                },
+            }
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
+                out.append(last)
+            last.setdefault("tool_calls", []).append(call)
+            calls.add(call_id)
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if call_id not in calls:
+                raise BadRequest(
+                    f"{at}.call_id: a function_call_output must answer a function_call before "
+                    f"it, by its call_id; {call_id!r} is none of {sorted(calls) or 'them'}",
+                    param=f"{at}.call_id",
+                )
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text(output, f"{at}.output")
+            out.append({"role": "tool", "content": text, "tool_call_id": call_id})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise BadRequest(
+                f"{at}: input items of type {kind!r} are not supported: send messages, "
+                "function_call, function_call_output or reasoning items",
+                param=f"{at}.type",
+            )
+    return out
+
+
+Mode = Literal["none", "auto", "required", "named"]
+_MODES: dict[str, Mode] = {"none": "none", "auto": "auto", "required": "required"}
+
+
+def tool_choice_of(choice: str | dict[str, Any] | None, names: set[str]) -> tuple[Mode, str]:
+    """The mode, and for "named" the function that must be called. With no callable tools the
+    mode is "none"; a choice of a hosted tool (which the model cannot call) means "auto"."""
+    if choice is None or not names:
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            raise BadRequest(
+                f"tool_choice names {choice.get('name')!r}, which is not in tools",
+                param="tool_choice",
+            )
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise BadRequest("tool_choice must be none, auto or required", param="tool_choice")
+        return ("auto" if names else "none"), ""
+    if isinstance(choice, str):
+        mode = _MODES.get(choice)
+        if mode is None:
+            raise BadRequest("tool_choice must be none, auto or required", param="tool_choice")
+        return mode, ""
+    kind = choice.get("type")
+    if kind == "function":
+        name = choice.get("name")
+        if name not in names:
+            raise BadRequest(
+                f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+            )
+        return "named", str(name)
+    if kind == "allowed_tools" and choice.get("mode") == "required":
+        return "required", ""
+    return "auto", ""

@@ -1,0 +1,179 @@
+"""The edge every generation route shares (chat, completions, Responses, Messages).
+
+A request runs only while its client is connected (a client that disconnects or times out aborts
+its generation, recorded as aborted), and a retried non-streaming request of a session yields one
+turn (`gateway.attempts`: an `Idempotency-Key`, or the openai and anthropic SDKs'
+`x-stainless-retry-count`). A replayed answer carries `Idempotent-Replayed: true`. Every answer
+says which sampling contract it was sampled under in `x-rlgateway-sampling` (`record` or `run`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gateway.attempts import Key
+from gateway.auth import require_active, resolve
+from gateway.choices import EventStream
+from gateway.deps import Gateway
+from gateway.errors import BadRequest, error_docs
+from gateway.sampling import contract_of
+from store.run_config import SAMPLING_HEADER, ClientSampling
+
+T = TypeVar("T")
+
+CLIENT_GONE = 499
+"""The status recorded (never received) for a request whose client disconnected first."""
+
+Result = dict[str, Any] | EventStream
+Create = Callable[..., Coroutine[Any, Any, Result]]
+
+GENERATE_DOC: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion (JSON), or with `stream` its server-sent events: "
+        "`data: {chunk}` events, then `data: [DONE]`; a failure after the first chunk is a "
+        '`data: {"error": {...}}` event before `[DONE]`.',
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **error_docs(400, 401, 404, 409, 413, 422, 429, 500, 503),
+}
+
+
+class _EventStreamResponse(StreamingResponse):
+    """Server-sent events that close their stream when the response ends, however it ends."""
+
+    def __init__(self, stream: EventStream, headers: dict[str, str]) -> None:
+        super().__init__(
+            stream.events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+        )
+        self.close = stream.close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.close()
+
+
+def _respond(
+    result: Result, contract: ClientSampling, extra: dict[str, str], *, replayed: bool = False
+) -> Response:
+    headers: dict[str, str] = {SAMPLING_HEADER: contract, **extra}
+    if isinstance(result, dict):
+        if replayed:
+            headers["Idempotent-Replayed"] = "true"
+        return JSONResponse(result, headers=headers)
+    return _EventStreamResponse(result, headers)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the body was read already: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _while_connected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None when the client disconnected first (`work` is then cancelled:
+    the services record what was generated, aborted)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
+            await asyncio.wait({task})
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+def _retry_count(request: Request) -> int | None:
+    raw = request.headers.get("x-stainless-retry-count")
+    return int(raw) if raw is not None and raw.isdigit() else None
+
+
+async def _attempt_key(request: Request, route: str, sid: str) -> tuple[Key, str] | None:
+    """The request's idempotency key and the fingerprint of its body, or None when it has none."""
+    body = await request.body()  # read already: the route's schema parsed it
+    fingerprint = hashlib.sha256(body).hexdigest()
+    key = request.headers.get("idempotency-key")
+    if key is not None:
+        if not 1 <= len(key) <= 255:
+            raise BadRequest("Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key")
+        return (sid, route, "key", key), fingerprint
+    if _retry_count(request) is not None:
+        return (sid, route, "body", fingerprint), fingerprint
+    return None
+
+
+LEFT_OUT_HEADER = "x-rlgateway-tools-left-out"
+"""Names the tools of a request the model cannot call, which were left out of its prompt."""
+
+
+def left_out_headers(names: list[str]) -> dict[str, str]:
+    return {LEFT_OUT_HEADER: ", ".join(names)} if names else {}
+
+
+class Generation(Protocol):
+    """A generation request of any protocol."""
+
+    stream: bool
+
+
+async def generate(
+    gw: Gateway,
+    request: Request,
+    body: Generation,
+    session_id: str | None,
+    route: str,
+    create: Create,
+    *,
+    check: Callable[[], None] | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """Authenticate, then answer `body` by `create(body, session_id, run=, retry=)` while the
+    client is connected. `check` runs after authentication (a check that needs the model);
+    `headers` are added to the answer."""
+    caller = await resolve(request, gw.sessions, gw.settings.admin_token, session_id)
+    require_active(caller)
+    if check is not None:
+        check()
+    sid = caller.session.id if caller.session else None
+    run = None if caller.session is None else await gw.run_configs.of(caller.session.run_id)
+    contract = contract_of(run)
+    count = _retry_count(request)
+    retry = count is not None and count >= 1
+    key = None if body.stream or sid is None else await _attempt_key(request, route, sid)
+    extra = headers or {}
+    if key is None:
+        result = await _while_connected(request, create(body, sid, run=run, retry=retry))
+        if result is None:
+            return Response(status_code=CLIENT_GONE)
+        return _respond(result, contract, extra)
+
+    async def answer(known: bool) -> dict[str, Any]:
+        # An earlier attempt known here either answered (replayed), left an aborted turn (which
+        # any repeat replaces) or nothing: only an unknown one may have left a lost reply.
+        result = await create(body, sid, run=run, retry=retry and not known)
+        assert isinstance(result, dict), "a non-streaming request answers JSON"
+        return result
+
+    once = gw.recorder.attempts.once(key[0], key[1], answer, first=count == 0)
+    replay = await _while_connected(request, once)
+    if replay is None:
+        return Response(status_code=CLIENT_GONE)
+    response, replayed = replay
+    return _respond(response, contract, extra, replayed=replayed)
