@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.chat_render import named_prefill, normalize_messages, normalize_tools, required_prefill
+from gateway.chat_render import normalize_messages, normalize_tools
 from gateway.choices import EventStream, chat_logprobs, sse_chunk, sse_error
 from gateway.errors import BadRequest
 from gateway.openai_types import ChatCompletionRequest, NamedToolChoice
 from gateway.sampling import Asked
-from gateway.turn import ChatPrompt, Choice, Turn, TurnCore, TurnSpec
+from gateway.turn import ChatPrompt, Choice, ToolChoice, Turn, TurnCore, TurnSpec
 from store.run_config import RunConfig
 from store.types import JSON
 
@@ -23,17 +23,17 @@ def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
         raise BadRequest(
             "tool_choice needs tools: pass the tools to choose from", param="tool_choice"
         )
-    prefill = ""
+    mode: ToolChoice
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in {t["function"]["name"] for t in tools}:
             raise BadRequest(
                 f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
             )
-        prefill = named_prefill(name)
-    elif choice == "required":
-        prefill = required_prefill()
-    return ChatPrompt(normalize_messages(body.messages), tools, prefill, choice != "none")
+        mode = ToolChoice("named", name)
+    else:
+        mode = ToolChoice(choice)
+    return ChatPrompt(normalize_messages(body.messages), tools, mode)
 
 
 def chat_spec(body: ChatCompletionRequest) -> TurnSpec:
@@ -98,6 +98,8 @@ class _Respond:
 
     def choice(self, turn: Turn, c: Choice) -> JSON:
         message: dict[str, Any] = {"role": "assistant", "content": c.content}
+        if c.reasoning is not None:
+            message["reasoning_content"] = c.reasoning
         if c.tool_calls:
             message["tool_calls"] = _tool_calls(c)
         logprobs = None
@@ -164,10 +166,13 @@ async def _stream(turn: Turn, body: ChatCompletionRequest) -> AsyncIterator[str]
                         r.top_logprobs[d.lo : d.hi],
                     )
                     logprobs = {"content": entries}
-                if d.text or logprobs is not None:
-                    yield _chunk(
-                        turn, [_delta(r.index, {"content": d.text} if d.text else {}, logprobs)]
-                    )
+                delta: dict[str, Any] = {}
+                if d.reasoning:
+                    delta["reasoning_content"] = d.reasoning
+                if d.text:
+                    delta["content"] = d.text
+                if delta or logprobs is not None:
+                    yield _chunk(turn, [_delta(r.index, delta, logprobs)])
         except Exception as exc:
             # The engine (or the store) failed after the stream began: record what was
             # generated, aborted, then say so in the stream and end it cleanly.
@@ -177,6 +182,8 @@ async def _stream(turn: Turn, body: ChatCompletionRequest) -> AsyncIterator[str]
             return
         for c in turn.choices:
             tail: dict[str, Any] = {}
+            if thought := turn.unsent_reasoning(c):
+                tail["reasoning_content"] = thought
             if c.tool_calls:
                 tail["tool_calls"] = [{"index": k, **t} for k, t in enumerate(_tool_calls(c))]
             elif rest := turn.unsent(c):

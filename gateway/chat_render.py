@@ -2,20 +2,19 @@
 "Contracts": token truth).
 
 - `normalize_messages` turns OpenAI messages into the plain dicts that are rendered and compared
-  (tool-call arguments parsed to objects, ids dropped, content flattened to text), so that an agent
-  echoing back our reply with different JSON spacing or fresh tool-call ids still extends its
-  segment.
+  (tool-call arguments parsed to objects, ids dropped, content flattened to text, an assistant's
+  reasoning as `reasoning_content`), so that an agent echoing back our reply with different JSON
+  spacing or fresh tool-call ids still extends its segment. Every protocol's adapter produces
+  these same dicts (`gateway.turn`).
 - `ChatRenderer` renders with the model's chat template and computes the tokens that continue a
   segment: its exact tokens, then the template's end-of-turn glue, then the rendered new messages.
   The model's own output is never re-tokenized.
-- `parse_tool_calls` reads Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
-  blocks out of generated text.
+- Tool calls are read out of generated text by the model family's parser (`gateway.tool_parsers`).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +24,6 @@ from gateway.openai_types import ChatMessage, Tool
 Message = dict[str, Any]
 
 _SENTINEL = "\x00rlgateway-sentinel\x00"
-TOOL_CALL_OPEN = "<tool_call>"
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
 def _text(content: Any) -> str:
@@ -71,6 +68,8 @@ def normalize_messages(messages: list[ChatMessage]) -> list[Message]:
                 }
                 for c in m.tool_calls
             ]
+        if m.role == "assistant" and m.reasoning_content:
+            msg["reasoning_content"] = m.reasoning_content
         if m.role == "tool":
             msg["tool_call_id"] = m.tool_call_id or ""
         if m.name:
@@ -105,48 +104,6 @@ def function_tool(name: str, description: str | None, parameters: Any) -> dict[s
     if parameters is not None:
         fn["parameters"] = parameters
     return {"type": "function", "function": fn}
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedToolCall:
-    name: str
-    arguments: str
-    """The arguments as a JSON string, as OpenAI returns them."""
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
-    """Split generated text into (content before the first tool call, the tool calls).
-
-    A block whose body is not a JSON object with a string `name` is not a tool call: the whole
-    text then stays content, so nothing the model wrote is lost.
-    """
-    start = text.find(TOOL_CALL_OPEN)
-    if start < 0:
-        return text, []
-    calls: list[ParsedToolCall] = []
-    for body in _TOOL_CALL_RE.findall(text[start:]):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, []
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append(
-            ParsedToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
-        )
-    content = text[:start].strip()
-    return (content or None), calls
-
-
-def required_prefill() -> str:
-    """The reply's forced start when some tool must be called."""
-    return f"{TOOL_CALL_OPEN}\n"
-
-
-def named_prefill(name: str) -> str:
-    """The reply's forced start when the tool `name` must be called."""
-    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
 
 
 class ChatRenderer:

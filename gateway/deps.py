@@ -27,7 +27,7 @@ from gateway.responses import ResponsesService
 from gateway.run_configs import RunConfigs
 from gateway.segments import SegmentTracker
 from gateway.settings import GatewaySettings
-from gateway.turn import TurnCore
+from gateway.turn import Parsers, TurnCore
 from store import Store
 
 RunConfigCheck = Callable[[dict[str, Any]], None]
@@ -88,6 +88,18 @@ class Gateway:
         return self.components.engine
 
 
+def parsers_of(settings: GatewaySettings, tokenizer: Any) -> Parsers:
+    """The model family's parsers: from the settings, or (auto) from its chat template."""
+    from gateway.reasoning_parsers import build_reasoning_parser
+    from gateway.tool_parsers import build_tool_parser
+
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    return Parsers(
+        build_tool_parser(settings.tool_parser, template),
+        build_reasoning_parser(settings.reasoning_parser, template),
+    )
+
+
 def build_gateway(
     settings: GatewaySettings,
     c: Components,
@@ -97,7 +109,7 @@ def build_gateway(
     metrics = metrics or GatewayMetrics()
     renderer = ChatRenderer(c.tokenizer, c.eos_token_ids)
     recorder = Recorder(c.store, SegmentTracker(c.store), on_commit=metrics.observe_records)
-    core = TurnCore(c.engine, renderer, recorder, c.model_name)
+    core = TurnCore(c.engine, renderer, recorder, c.model_name, parsers_of(settings, c.tokenizer))
     return Gateway(
         settings=settings,
         components=c,

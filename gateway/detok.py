@@ -14,7 +14,14 @@ from typing import Any
 
 
 class IncrementalDecoder:
-    def __init__(self, tokenizer: Any, stop_strings: list[str], *, holdback: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop_strings: list[str],
+        *,
+        holdback: list[str],
+        keep: frozenset[int] = frozenset(),
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
         self.ids: list[int] = []
@@ -30,11 +37,24 @@ class IncrementalDecoder:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         plain = getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
         self._backend = backend if plain else None
+        self._keep = keep
+        """Special tokens decoded as text all the same (a parser's markers, `[TOOL_CALLS]`)."""
 
     def _decode(self, ids: list[int]) -> str:
+        if not self._keep or self._keep.isdisjoint(ids):
+            return self._plain(ids, skip=True)
+        parts, start = [], 0
+        for k, t in enumerate(ids):
+            if t in self._keep:
+                parts += [self._plain(ids[start:k], skip=True), self._plain([t], skip=False)]
+                start = k + 1
+        parts.append(self._plain(ids[start:], skip=True))
+        return "".join(parts)
+
+    def _plain(self, ids: list[int], *, skip: bool) -> str:
         if self._backend is not None:
-            return str(self._backend.decode(ids, skip_special_tokens=True))
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+            return str(self._backend.decode(ids, skip_special_tokens=skip))
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip))
 
     def push(self, token_id: int) -> None:
         """Add one sampled token; sets `stopped` (and truncates `text`) on a stop string."""

@@ -16,7 +16,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.chat_render import named_prefill, required_prefill
 from gateway.choices import EventStream
 from gateway.errors import anthropic_error_body, translate
 from gateway.messages_types import (
@@ -27,8 +26,16 @@ from gateway.messages_types import (
     tool_use_id,
     tools_of,
 )
+from gateway.responses_types import seal_reasoning
 from gateway.sampling import Asked
-from gateway.turn import ChatPrompt, Choice, Turn, TurnCore, TurnSpec, parse_arguments
+from gateway.turn import (
+    ChatPrompt,
+    Choice,
+    Turn,
+    TurnCore,
+    TurnSpec,
+    parse_arguments,
+)
 from store.run_config import RunConfig
 from store.types import JSON
 
@@ -36,11 +43,14 @@ _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_
 
 
 def messages_prompt(body: CountTokensRequest) -> ChatPrompt:
+    """A last assistant message is the start of the reply (a prefill): the reply continues it."""
     tools = tools_of(body.tools).callable
-    mode, name = tool_choice_of(body.tool_choice, {t["function"]["name"] for t in tools})
-    prefill = named_prefill(name) if mode == "named" else ""
-    prefill = required_prefill() if mode == "required" else prefill
-    return ChatPrompt(neutral_messages(body), tools, prefill, mode != "none")
+    choice = tool_choice_of(body.tool_choice, {t["function"]["name"] for t in tools})
+    messages = neutral_messages(body)
+    last = messages[-1]
+    if last["role"] == "assistant" and not last.get("tool_calls"):
+        return ChatPrompt(messages[:-1], tools, choice, continues=last["content"])
+    return ChatPrompt(messages, tools, choice)
 
 
 class MessagesService:
@@ -51,7 +61,8 @@ class MessagesService:
         """The prompt's tokens, as a fresh request renders it."""
         p = messages_prompt(body)
         r = self.core.renderer
-        ids = await asyncio.to_thread(r.prompt, p.messages, p.tools, p.prefill)
+        prefill = self.core.prefill(p)
+        ids = await asyncio.to_thread(r.prompt, p.messages, p.tools, prefill)
         return {"input_tokens": len(ids)}
 
     async def create(
@@ -102,8 +113,13 @@ def _usage(turn: Turn) -> dict[str, int]:
 
 def _blocks(c: Choice) -> list[JSON]:
     blocks: list[JSON] = []
+    if c.reasoning is not None:
+        blocks.append(
+            {"type": "thinking", "thinking": c.reasoning, "signature": seal_reasoning(c.reasoning)}
+        )
     if c.content or not c.tool_calls:
-        blocks.append({"type": "text", "text": c.content or ""})
+        text = c.content or ""
+        blocks.append({"type": "text", "text": text.removeprefix(c.continued)})
     for call in c.tool_calls:
         args = parse_arguments(call.arguments)
         blocks.append(
@@ -135,6 +151,44 @@ def _event(kind: str, **fields: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
 
 
+class _Blocks:
+    """The content-block events of one streamed message, in order: thinking, text, tool uses."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None
+
+    def start(self, block: JSON) -> str:
+        self.index += 1
+        self.open = str(block["type"])
+        return _event("content_block_start", index=self.index, content_block=block)
+
+    def delta(self, delta: JSON) -> str:
+        return _event("content_block_delta", index=self.index, delta=delta)
+
+    def stop(self) -> str:
+        self.open = None
+        return _event("content_block_stop", index=self.index)
+
+    def thinking(self, text: str) -> list[str]:
+        out = [] if self.open == "thinking" else [self.start(_EMPTY["thinking"])]
+        return [*out, self.delta({"type": "thinking_delta", "thinking": text})]
+
+    def text(self, text: str) -> list[str]:
+        out: list[str] = []
+        if self.open != "text":
+            out.append(self.start(_EMPTY["text"]))
+        if text:
+            out.append(self.delta({"type": "text_delta", "text": text}))
+        return out
+
+
+_EMPTY: dict[str, JSON] = {
+    "thinking": {"type": "thinking", "thinking": "", "signature": ""},
+    "text": {"type": "text", "text": ""},
+}
+
+
 async def _stream(turn: Turn) -> AsyncIterator[str]:
     start: JSON = {
         "id": turn.id,
@@ -146,25 +200,27 @@ async def _stream(turn: Turn) -> AsyncIterator[str]:
         "stop_sequence": None,
         "usage": _usage(turn) | {"output_tokens": 0},
     }
-    opened = False
+    blocks = _Blocks()
+    thought = ""
 
-    def open_text() -> str:
-        return _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-
-    def text(delta: str) -> str:
-        return _event("content_block_delta", index=0, delta={"type": "text_delta", "text": delta})
+    def end_thinking(signature: str) -> list[str]:
+        return [blocks.delta({"type": "signature_delta", "signature": signature}), blocks.stop()]
 
     try:
         yield _event("message_start", message=start)
         yield _event("ping")
         try:
             async for d in turn.deltas():
-                if not d.text:
-                    continue
-                if not opened:
-                    yield open_text()
-                    opened = True
-                yield text(d.text)
+                if d.reasoning:
+                    thought += d.reasoning
+                    for e in blocks.thinking(d.reasoning):
+                        yield e
+                if d.text:
+                    if blocks.open == "thinking":
+                        for e in end_thinking(seal_reasoning(thought)):
+                            yield e
+                    for e in blocks.text(d.text):
+                        yield e
         except Exception as exc:
             await turn.close()
             err = translate(exc)
@@ -172,22 +228,27 @@ async def _stream(turn: Turn) -> AsyncIterator[str]:
             return
         choice = turn.choices[0]
         final = message(turn, choice)
-        for index, block in enumerate(final["content"]):
-            if block["type"] == "text":
-                if not opened:
-                    yield open_text()
-                if rest := turn.unsent(choice):
-                    yield text(rest)
+        for block in final["content"]:
+            kind = block["type"]
+            if kind == "thinking":
+                if rest := turn.unsent_reasoning(choice):
+                    for e in blocks.thinking(rest):
+                        yield e
+                elif blocks.open != "thinking" and blocks.index < 0:
+                    yield blocks.start(_EMPTY["thinking"])
+                if blocks.open == "thinking":
+                    for e in end_thinking(block["signature"]):
+                        yield e
+            elif kind == "text":
+                for e in blocks.text(turn.unsent(choice)):
+                    yield e
+                yield blocks.stop()
             else:
-                yield _event(
-                    "content_block_start", index=index, content_block=block | {"input": {}}
+                yield blocks.start(block | {"input": {}})
+                yield blocks.delta(
+                    {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
                 )
-                yield _event(
-                    "content_block_delta",
-                    index=index,
-                    delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
-                )
-            yield _event("content_block_stop", index=index)
+                yield blocks.stop()
         yield _event(
             "message_delta",
             delta={"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]},

@@ -9,9 +9,10 @@ joined by newlines) is the first message. Tool-use ids are the gateway's own cal
 Anthropic's `toolu_` prefix, so a conversation that moves between Messages and the OpenAI
 protocols continues its segment token for token.
 
-`thinking` blocks, `cache_control`, `thinking`, `context_management`, `output_config` and
-`metadata` are accepted; tools the model cannot call (Anthropic's server and computer tools,
-which have no `input_schema`) are left out, never a 400.
+An assistant's `thinking` blocks are its reasoning (`reasoning_content`); `cache_control`,
+`thinking`, `context_management`, `output_config` and `metadata` are accepted; tools the model
+cannot call (Anthropic's server and computer tools, which have no `input_schema`) are left out,
+never a 400.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from gateway.chat_render import Message, Tools, function_tool
 from gateway.errors import BadRequest
 from gateway.limits import CheckedBody
 from gateway.openai_types import Int, Num, TokenCount
+from gateway.turn import ToolChoice, ToolMode
 
 CALL_PREFIX, TOOLU_PREFIX = "call_", "toolu_"
 
@@ -121,10 +123,15 @@ def neutral_messages(body: CountTokensRequest) -> list[Message]:
     uses: set[str] = set()
     for i, m in enumerate(body.messages):
         at = f"messages.{i}"
+        if m.role == "system":  # the SDK's `SystemMessageParam`: a system turn where it stands
+            out.append({"role": "system", "content": _text(m.content, f"{at}.content")})
+            uses = set()
+            continue
         if m.role not in ("user", "assistant"):
-            raise BadRequest(f"{at}.role must be user or assistant", param=f"{at}.role")
+            raise BadRequest(f"{at}.role must be user, assistant or system", param=f"{at}.role")
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         results: list[Message] = []
         for j, b in enumerate(blocks):
@@ -132,7 +139,14 @@ def neutral_messages(body: CountTokensRequest) -> list[Message]:
             kind = b.get("type")
             if kind == "text":
                 texts.append(_block_text(b, where))
-            elif kind in ("thinking", "redacted_thinking"):
+            elif kind == "thinking" and m.role == "assistant":
+                thought = b.get("thinking")
+                if not isinstance(thought, str):
+                    raise BadRequest(
+                        f"{where}.thinking must be a string", param=f"{where}.thinking"
+                    )
+                thoughts.append(thought)
+            elif kind == "redacted_thinking":
                 continue
             elif kind == "tool_use" and m.role == "assistant":
                 use_id, name, args = b.get("id"), b.get("name"), b.get("input", {})
@@ -163,6 +177,8 @@ def neutral_messages(body: CountTokensRequest) -> list[Message]:
                 )
         if m.role == "assistant":
             msg: Message = {"role": "assistant", "content": "".join(texts)}
+            if thoughts:
+                msg["reasoning_content"] = "".join(thoughts)
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
@@ -174,25 +190,27 @@ def neutral_messages(body: CountTokensRequest) -> list[Message]:
     return out
 
 
-def tool_choice_of(choice: dict[str, Any] | None, names: set[str]) -> tuple[str, str]:
-    """("none" | "auto" | "required" | "named", the tool's name for "named")."""
+_MODES: dict[str, ToolMode] = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def tool_choice_of(choice: dict[str, Any] | None, names: set[str]) -> ToolChoice:
+    """auto (the default), any (some tool: required), tool (that one: named) or none."""
     kind = "auto" if choice is None else choice.get("type")
+    if kind not in ("auto", "any", "tool", "none"):
+        raise BadRequest(
+            "tool_choice.type must be auto, any, tool or none", param="tool_choice.type"
+        )
     if not names:
-        if kind == "tool" or kind == "any":
+        if kind in ("tool", "any"):
             raise BadRequest(
                 f"tool_choice {kind!r} needs tools the model can call", param="tool_choice"
             )
-        return "none", ""
-    if kind in ("auto", "none"):
-        return str(kind), ""
-    if kind == "any":
-        return "required", ""
+        return ToolChoice("none")
     if kind == "tool":
-        assert choice is not None
-        name = choice.get("name")
+        name = (choice or {}).get("name")
         if name not in names:
             raise BadRequest(
                 f"tool_choice names {name!r}, which is not in tools", param="tool_choice.name"
             )
-        return "named", str(name)
-    raise BadRequest("tool_choice.type must be auto, any, tool or none", param="tool_choice.type")
+        return ToolChoice("named", str(name))
+    return ToolChoice(_MODES[str(kind)])

@@ -54,6 +54,8 @@ class ChatMessage(_Open):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    """An assistant message's reasoning, as the gateway (and vLLM) return it."""
 
 
 class ToolFunction(_Open):

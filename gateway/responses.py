@@ -20,17 +20,23 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.chat_render import named_prefill, required_prefill
-from gateway.choices import EventStream, chat_logprobs
+from gateway.choices import ChoiceRun, EventStream, chat_logprobs
 from gateway.errors import BadRequest, NotFound, translate
 from gateway.kept_responses import KeptResponse, KeptResponses, conversation_of, open_calls_of
-from gateway.responses_types import ResponsesRequest, input_messages, tool_choice_of, tools_of
+from gateway.responses_types import (
+    ResponsesRequest,
+    input_messages,
+    seal_reasoning,
+    tool_choice_of,
+    tools_of,
+)
 from gateway.sampling import Asked
 from gateway.turn import ChatPrompt, Choice, Turn, TurnCore, TurnSpec
 from store.run_config import RunConfig
 from store.types import JSON
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+SEALED_INCLUDE = "reasoning.encrypted_content"
 
 
 class ResponsesService:
@@ -62,7 +68,7 @@ class ResponsesService:
         (`TurnCore.start`)."""
         prior = await self._prior(body, session_id)
         tools = tools_of(body.tools).callable
-        mode, name = tool_choice_of(body.tool_choice, {t["function"]["name"] for t in tools})
+        calls = tool_choice_of(body.tool_choice, {t["function"]["name"] for t in tools})
         messages = input_messages(
             body.input, open_calls=frozenset() if prior is None else prior.open_calls
         )
@@ -70,12 +76,10 @@ class ResponsesService:
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         if not messages and not history:
             raise BadRequest("input is empty: send a string or at least one item", param="input")
-        prefill = named_prefill(name) if mode == "named" else ""
-        prefill = required_prefill() if mode == "required" else prefill
         spec = TurnSpec(
             protocol="responses",
             id_prefix="resp_",
-            prompts=[ChatPrompt([*system, *history, *messages], tools, prefill, mode != "none")],
+            prompts=[ChatPrompt([*system, *history, *messages], tools, calls)],
             asked=Asked(
                 temperature=body.temperature,
                 top_p=body.top_p,
@@ -124,55 +128,16 @@ class ResponsesService:
     async def _stream(
         self, turn: Turn, shape: _Shape, session_id: str | None, prior: KeptResponse | None
     ) -> AsyncIterator[str]:
-        seq = itertools.count()
-
-        def event(kind: str, **fields: Any) -> str:
-            body = {"type": kind, "sequence_number": next(seq), **fields}
-            return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
-
+        out = _Events(turn, shape)
         started = shape.envelope(turn, "in_progress", [])
-        msg_id = _message_id(turn)
-        opened = False
-        logprobs: list[JSON] = []
-
-        def open_message() -> list[str]:
-            item = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant"}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            return [
-                event("response.output_item.added", output_index=0, item=item | {"content": []}),
-                event(
-                    "response.content_part.added",
-                    item_id=msg_id,
-                    output_index=0,
-                    content_index=0,
-                    part=part,
-                ),
-            ]
-
-        def text_delta(text: str, lps: list[JSON]) -> str:
-            return event(
-                "response.output_text.delta",
-                item_id=msg_id,
-                output_index=0,
-                content_index=0,
-                delta=text,
-                logprobs=lps,
-            )
-
         try:
-            yield event("response.created", response=started)
-            yield event("response.in_progress", response=started)
+            yield out.event("response.created", response=started)
+            yield out.event("response.in_progress", response=started)
             try:
                 async for d in turn.deltas():
-                    lps = shape.logprobs(turn, d.run.ids[d.lo : d.hi], d.lo, d.hi, d.run)
-                    logprobs.extend(lps)
-                    if not d.text:
-                        continue
-                    if not opened:
-                        for e in open_message():
-                            yield e
-                        opened = True
-                    yield text_delta(d.text, lps)
+                    lps = shape.logprobs(turn, d.run, d.lo, d.hi)
+                    for e in out.progress(d.reasoning, d.text, lps):
+                        yield e
             except Exception as exc:
                 await turn.close()
                 err = translate(exc)
@@ -180,59 +145,151 @@ class ResponsesService:
                     "status": "failed",
                     "error": {"code": err.code or err.type, "message": err.message},
                 }
-                yield event("response.failed", response=failed)
+                yield out.event("response.failed", response=failed)
                 return
             choice = turn.choices[0]
             final = shape.choice(turn, choice)
-            for index, item in enumerate(final["output"]):
-                if item["type"] == "message":
-                    if not opened:
-                        for e in open_message():
-                            yield e
-                    if rest := turn.unsent(choice):
-                        yield text_delta(rest, [])
-                    part = item["content"][0]
-                    yield event(
-                        "response.output_text.done",
-                        item_id=msg_id,
-                        output_index=index,
-                        content_index=0,
-                        text=part["text"],
-                        logprobs=part["logprobs"],
-                    )
-                    yield event(
-                        "response.content_part.done",
-                        item_id=msg_id,
-                        output_index=index,
-                        content_index=0,
-                        part=part,
-                    )
-                else:
-                    added = item | {"arguments": "", "status": "in_progress"}
-                    yield event("response.output_item.added", output_index=index, item=added)
-                    yield event(
-                        "response.function_call_arguments.delta",
-                        item_id=item["id"],
-                        output_index=index,
-                        delta=item["arguments"],
-                    )
-                    yield event(
-                        "response.function_call_arguments.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        name=item["name"],
-                        arguments=item["arguments"],
-                    )
-                yield event("response.output_item.done", output_index=index, item=item)
+            for e in out.finish(final, turn.unsent_reasoning(choice), turn.unsent(choice)):
+                yield e
             self._keep(shape.body, turn, final, session_id, prior)
             ended = final["status"] == "incomplete"
-            yield event("response.incomplete" if ended else "response.completed", response=final)
+            kind = "response.incomplete" if ended else "response.completed"
+            yield out.event(kind, response=final)
         finally:
             await turn.close()
 
 
-def _message_id(turn: Turn) -> str:
-    return f"msg_{turn.id.removeprefix('resp_')}"
+class _Events:
+    """The item events of one streamed response, in output order: a reasoning item, a message,
+    then the function calls (known only once the reply is parsed)."""
+
+    def __init__(self, turn: Turn, shape: _Shape) -> None:
+        self.seq = itertools.count()
+        self.ids = {"reasoning": _item_id("rs", turn), "message": _item_id("msg", turn)}
+        self.index = -1
+        self.open: str | None = None
+        self.reasoning = ""
+
+    def event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": next(self.seq), **fields}
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+    def _text_event(self, kind: str, item: str, **fields: Any) -> str:
+        return self.event(
+            kind, item_id=self.ids[item], output_index=self.index, content_index=0, **fields
+        )
+
+    def _start(self, item: str) -> list[str]:
+        self.index += 1
+        self.open = item
+        head = {"id": self.ids[item], "status": "in_progress"}
+        if item == "reasoning":
+            added = {"type": "reasoning", **head, "summary": [], "content": []}
+            return [self.event("response.output_item.added", output_index=self.index, item=added)]
+        added = {"type": "message", **head, "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self.event("response.output_item.added", output_index=self.index, item=added),
+            self._text_event("response.content_part.added", "message", part=part),
+        ]
+
+    def _close_reasoning(self, item: JSON) -> list[str]:
+        self.open = None
+        return [
+            self._text_event("response.reasoning_text.done", "reasoning", text=self.reasoning),
+            self.event("response.output_item.done", output_index=self.index, item=item),
+        ]
+
+    def progress(self, reasoning: str, text: str, lps: list[JSON]) -> list[str]:
+        out: list[str] = []
+        if reasoning:
+            if self.open != "reasoning":
+                out += self._start("reasoning")
+            self.reasoning += reasoning
+            out.append(
+                self._text_event("response.reasoning_text.delta", "reasoning", delta=reasoning)
+            )
+        if text:
+            if self.open == "reasoning":
+                out += self._close_reasoning(_reasoning_item(self.ids["reasoning"], self.reasoning))
+            if self.open != "message":
+                out += self._start("message")
+            out.append(
+                self._text_event("response.output_text.delta", "message", delta=text, logprobs=lps)
+            )
+        return out
+
+    def finish(self, final: JSON, reasoning_rest: str, text_rest: str) -> list[str]:
+        """The rest of the stream once the reply is whole: what is left of its text, the items
+        not yet closed, and the function calls."""
+        out: list[str] = []
+        for item in final["output"]:
+            kind = item["type"]
+            if kind == "reasoning":
+                if self.open != "reasoning":
+                    out += self._start("reasoning")
+                if reasoning_rest:
+                    self.reasoning += reasoning_rest
+                    out.append(
+                        self._text_event(
+                            "response.reasoning_text.delta", "reasoning", delta=reasoning_rest
+                        )
+                    )
+                out += self._close_reasoning(item)
+            elif kind == "message":
+                if self.open != "message":
+                    out += self._start("message")
+                if text_rest:
+                    out.append(
+                        self._text_event(
+                            "response.output_text.delta", "message", delta=text_rest, logprobs=[]
+                        )
+                    )
+                part = item["content"][0]
+                out += [
+                    self._text_event(
+                        "response.output_text.done",
+                        "message",
+                        text=part["text"],
+                        logprobs=part["logprobs"],
+                    ),
+                    self._text_event("response.content_part.done", "message", part=part),
+                    self.event("response.output_item.done", output_index=self.index, item=item),
+                ]
+                self.open = None
+            else:
+                self.index += 1
+                added = item | {"arguments": "", "status": "in_progress"}
+                at = {"item_id": item["id"], "output_index": self.index}
+                out += [
+                    self.event("response.output_item.added", output_index=self.index, item=added),
+                    self.event(
+                        "response.function_call_arguments.delta", **at, delta=item["arguments"]
+                    ),
+                    self.event(
+                        "response.function_call_arguments.done",
+                        **at,
+                        name=item["name"],
+                        arguments=item["arguments"],
+                    ),
+                    self.event("response.output_item.done", output_index=self.index, item=item),
+                ]
+        return out
+
+
+def _item_id(prefix: str, turn: Turn) -> str:
+    return f"{prefix}_{turn.id.removeprefix('resp_')}"
+
+
+def _reasoning_item(item_id: str, text: str, encrypted: str | None = None) -> JSON:
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "encrypted_content": encrypted,
+        "status": "completed",
+    }
 
 
 class _Shape:
@@ -241,11 +298,14 @@ class _Shape:
     def __init__(self, body: ResponsesRequest) -> None:
         self.body = body
         self.with_logprobs = LOGPROBS_INCLUDE in (body.include or ())
+        self.with_sealed = SEALED_INCLUDE in (body.include or ())
 
-    def logprobs(self, turn: Turn, ids: list[int], lo: int, hi: int, run: Any) -> list[JSON]:
+    def logprobs(self, turn: Turn, run: ChoiceRun, lo: int, hi: int) -> list[JSON]:
         if not self.with_logprobs:
             return []
-        return chat_logprobs(turn.core.pieces, ids, run.logprobs[lo:hi], run.top_logprobs[lo:hi])
+        return chat_logprobs(
+            turn.core.pieces, run.ids[lo:hi], run.logprobs[lo:hi], run.top_logprobs[lo:hi]
+        )
 
     def envelope(self, turn: Turn, status: str, output: list[JSON]) -> JSON:
         b = self.body
@@ -277,13 +337,16 @@ class _Shape:
     def choice(self, turn: Turn, c: Choice) -> JSON:
         """The whole response of a finished (or aborted) choice: what is sent and recorded."""
         output: list[JSON] = []
+        if c.reasoning is not None:
+            sealed = seal_reasoning(c.reasoning) if self.with_sealed else None
+            output.append(_reasoning_item(_item_id("rs", turn), c.reasoning, sealed))
         if c.content or not c.tool_calls:
             r = c.run
             cut = c.finish_reason in ("length", "abort")
             output.append(
                 {
                     "type": "message",
-                    "id": _message_id(turn),
+                    "id": _item_id("msg", turn),
                     "status": "incomplete" if cut else "completed",
                     "role": "assistant",
                     "content": [
@@ -291,7 +354,7 @@ class _Shape:
                             "type": "output_text",
                             "text": c.content or "",
                             "annotations": [],
-                            "logprobs": self.logprobs(turn, r.ids, 0, len(r.ids), r),
+                            "logprobs": self.logprobs(turn, r, 0, len(r.ids)),
                         }
                     ],
                 }

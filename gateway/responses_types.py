@@ -16,8 +16,9 @@ finds the exact earlier tokens again (`gateway.responses`).
 
 from __future__ import annotations
 
+import base64
 import json
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
@@ -26,6 +27,7 @@ from gateway.chat_render import Message, Tools, function_tool
 from gateway.errors import BadRequest
 from gateway.limits import CheckedBody
 from gateway.openai_types import Int, Num, TokenCount
+from gateway.turn import ToolChoice, ToolMode
 
 
 class _Open(BaseModel):
@@ -116,6 +118,31 @@ def _arguments(raw: Any, where: str) -> Any:
 
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+SEAL = "rlg1."
+"""The prefix of the gateway's own `encrypted_content`."""
+
+
+def seal_reasoning(text: str) -> str:
+    """A reasoning item's `encrypted_content`: opaque to the client, the reasoning text exactly to
+    the gateway (the item's visible text is whatever the client chooses to send back)."""
+    return SEAL + base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def unseal_reasoning(sealed: Any) -> str | None:
+    """The reasoning text of an `encrypted_content` the gateway sealed, else None."""
+    if not isinstance(sealed, str) or not sealed.startswith(SEAL):
+        return None
+    try:
+        return base64.urlsafe_b64decode(sealed.removeprefix(SEAL)).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    sealed = unseal_reasoning(item.get("encrypted_content"))
+    if sealed is not None:
+        return sealed
+    return _text(item.get("content") or [], f"{where}.content")
 
 
 def input_messages(
@@ -130,6 +157,14 @@ def input_messages(
         return [{"role": "user", "content": items}]
     out: list[Message] = []
     calls: set[str] = set(open_calls)
+    reasoning: str | None = None  # of the assistant message the next items make
+
+    def assistant(content: str) -> Message:
+        msg: Message = {"role": "assistant", "content": content}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        return msg
+
     for i, item in enumerate(items):
         at = f"{where}.{i}"
         kind = item.get("type", "message")
@@ -139,7 +174,11 @@ def input_messages(
                 raise BadRequest(
                     f"{at}.role must be user, assistant, system or developer", param=f"{at}.role"
                 )
-            out.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
+            content = _text(item.get("content"), f"{at}.content")
+            out.append(
+                assistant(content) if role == "assistant" else {"role": role, "content": content}
+            )
+            reasoning = None
             calls = set()
         elif kind == "function_call":
             call_id, name = item.get("call_id"), item.get("name")
@@ -153,9 +192,10 @@ def input_messages(
                 },
             }
             last = out[-1] if out else None
-            if last is None or last["role"] != "assistant":
-                last = {"role": "assistant", "content": ""}
+            if last is None or last["role"] != "assistant" or reasoning is not None:
+                last = assistant("")
                 out.append(last)
+                reasoning = None
             last.setdefault("tool_calls", []).append(call)
             calls.add(call_id)
         elif kind == "function_call_output":
@@ -170,7 +210,7 @@ def input_messages(
             text = output if isinstance(output, str) else _text(output, f"{at}.output")
             out.append({"role": "tool", "content": text, "tool_call_id": call_id})
         elif kind == "reasoning":
-            continue
+            reasoning = _reasoning_text(item, at)
         else:
             raise BadRequest(
                 f"{at}: input items of type {kind!r} are not supported: send messages, "
@@ -180,35 +220,25 @@ def input_messages(
     return out
 
 
-Mode = Literal["none", "auto", "required", "named"]
-_MODES: dict[str, Mode] = {"none": "none", "auto": "auto", "required": "required"}
+_MODES: dict[str, ToolMode] = {"none": "none", "auto": "auto", "required": "required"}
 
 
-def tool_choice_of(choice: str | dict[str, Any] | None, names: set[str]) -> tuple[Mode, str]:
-    """The mode, and for "named" the function that must be called. With no callable tools the
-    mode is "none"; a choice of a hosted tool (which the model cannot call) means "auto"."""
-    if choice is None or not names:
-        if isinstance(choice, dict) and choice.get("type") == "function":
-            raise BadRequest(
-                f"tool_choice names {choice.get('name')!r}, which is not in tools",
-                param="tool_choice",
-            )
-        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
-            raise BadRequest("tool_choice must be none, auto or required", param="tool_choice")
-        return ("auto" if names else "none"), ""
-    if isinstance(choice, str):
-        mode = _MODES.get(choice)
-        if mode is None:
-            raise BadRequest("tool_choice must be none, auto or required", param="tool_choice")
-        return mode, ""
-    kind = choice.get("type")
-    if kind == "function":
+def tool_choice_of(choice: str | dict[str, Any] | None, names: set[str]) -> ToolChoice:
+    """none, auto (the default), required, or a named function. With no callable tools it is
+    none; a choice of a hosted tool (which the model cannot call) means auto."""
+    if isinstance(choice, str) and choice not in _MODES:
+        raise BadRequest("tool_choice must be none, auto or required", param="tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
         name = choice.get("name")
         if name not in names:
             raise BadRequest(
                 f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
             )
-        return "named", str(name)
-    if kind == "allowed_tools" and choice.get("mode") == "required":
-        return "required", ""
-    return "auto", ""
+        return ToolChoice("named", str(name))
+    if not names:
+        return ToolChoice("none")
+    if isinstance(choice, str):
+        return ToolChoice(_MODES[choice])
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        return ToolChoice("required" if choice.get("mode") == "required" else "auto")
+    return ToolChoice("auto")

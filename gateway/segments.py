@@ -76,6 +76,20 @@ def chat_transcript(messages: list[dict[str, Any]], tools: list[dict[str, Any]])
     return {"kind": "chat", "messages": messages, "tools": tools}
 
 
+def same_message(recorded: dict[str, Any], sent: dict[str, Any]) -> bool:
+    """A message the client sent is the recorded one: equal, or equal but for the reasoning a
+    client may drop when it sends the history back (the segment keeps the exact tokens)."""
+    if recorded == sent:
+        return True
+    if "reasoning_content" in sent or "reasoning_content" not in recorded:
+        return False
+    return {k: v for k, v in recorded.items() if k != "reasoning_content"} == sent
+
+
+def _same(recorded: list[dict[str, Any]], sent: list[dict[str, Any]]) -> bool:
+    return len(recorded) == len(sent) and all(map(same_message, recorded, sent))
+
+
 def extends(
     transcript: Transcript | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
 ) -> bool:
@@ -86,7 +100,7 @@ def extends(
     return (
         transcript["tools"] == tools
         and len(prior) < len(messages)
-        and messages[: len(prior)] == prior
+        and _same(prior, messages[: len(prior)])
     )
 
 
@@ -97,7 +111,7 @@ def repeats(
     if transcript is None or transcript.get("kind") != "chat":
         return False
     prior: list[dict[str, Any]] = transcript["messages"]
-    return bool(transcript["tools"] == tools and prior[:-1] == messages)
+    return bool(transcript["tools"] == tools and _same(prior[:-1], messages))
 
 
 def repeats_tokens(seg: LiveSegment, last: LastTurn, prompt_ids: list[int]) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -56,6 +56,33 @@ class GatewaySettings(BaseSettings):
     weight update carry; None: the model directory's `rlgateway_policy.json` version (written by
     `rlgateway export-model`), else 0. A vLLM/SGLang server that an earlier weight update
     labelled with an integer version keeps that label."""
+
+    tool_parser: str = "auto"
+    """How tool calls are read out of replies: hermes (Qwen2.5's `<tool_call>` JSON),
+    qwen3_coder, llama3_json or mistral (`gateway.tool_parsers`); auto: the chat template's own
+    format."""
+    reasoning_parser: str = "auto"
+    """How reasoning is split off replies: think (`<think>...</think>`) or none
+    (`gateway.reasoning_parsers`); auto: think when the chat template writes `<think>`."""
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_tool_parser(cls, name: str) -> str:
+        from gateway.tool_parsers import TOOL_PARSERS
+
+        if name != "auto" and name not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool parser {name!r}: use auto, {', '.join(TOOL_PARSERS)}")
+        return name
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, name: str) -> str:
+        from gateway.reasoning_parsers import REASONING_PARSERS
+
+        if name not in ("auto", "none", *REASONING_PARSERS):
+            known = ", ".join(REASONING_PARSERS)
+            raise ValueError(f"unknown reasoning parser {name!r}: use auto, none, {known}")
+        return name
 
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")

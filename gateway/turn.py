@@ -25,22 +25,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
 from engines.base import Engine, GenerateRequest, SamplingParams, TokenChunk
 from engines.errors import PromptTooLongError
-from gateway.chat_render import (
-    TOOL_CALL_OPEN,
-    ChatRenderer,
-    Message,
-    named_prefill,
-    parse_tool_calls,
-    required_prefill,
-)
+from gateway.chat_render import ChatRenderer, Message
 from gateway.choices import ChoiceRun, RunGroup, TokenPieces
 from gateway.detok import IncrementalDecoder
+from gateway.reasoning_parsers import ReasoningParser, Split
 from gateway.recorder import ChoiceOutcome, Match, Plan, Recorder
 from gateway.sampling import Asked, contract_of, record_of, sampling_params
 from gateway.segments import (
@@ -54,9 +48,25 @@ from gateway.segments import (
 from store.run_config import ClientSampling, RunConfig
 from store.types import JSON, LastTurn, TurnStatus
 
+if TYPE_CHECKING:
+    from gateway.tool_parsers import ToolCallParser
+
 COMPLETION_TRANSCRIPT = {"kind": "completion"}
 RECORD_KEY = "rlgateway"
 """The key of the gateway's own part of a recorded request: `{"protocol", "prefill"}`."""
+
+
+ToolMode = Literal["none", "auto", "required", "named"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """What the reply may do with the tools: none (tool calls stay text), auto, required (some
+    tool), named (the tool `name`). A required or named call is forced by a prefill: text the
+    tool-call parser writes at the start of the reply, part of the prompt and of the reply."""
+
+    mode: ToolMode = "none"
+    name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +77,10 @@ class ChatPrompt:
     """Normalized (`gateway.chat_render.normalize_messages`): what is rendered and compared."""
     tools: list[dict[str, Any]]
     """OpenAI function tools (`{"type": "function", "function": {...}}`)."""
-    prefill: str = ""
-    """Text forced at the start of the reply (a required or named tool call); part of the
-    prompt, and of the reply's text."""
-    parse_tools: bool = False
-    """Read tool calls out of the reply (and never stream their markup as text)."""
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    continues: str = ""
+    """The start of the reply, written by the client (an Anthropic prefill): part of the prompt
+    and of the reply's text, never sent back to the client."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +135,8 @@ class Choice:
     """Its exact tokens, logprobs and top logprobs."""
     text: str
     """Everything it generated, prefill included, cut at a matched stop string."""
+    reasoning: str | None
+    """Its reasoning (`gateway.reasoning_parsers`), split off `text`; None: none."""
     content: str | None
     """The text outside tool calls (None: there was none)."""
     tool_calls: tuple[ToolCall, ...]
@@ -133,6 +144,9 @@ class Choice:
     """stop, length, tool_calls (stopped with tool calls) or abort."""
     stop_string: str | None
     """The stop string that ended it, if one did."""
+    continued: str = ""
+    """The client's own start of the reply (`ChatPrompt.continues`), which `content` begins
+    with when the reply is text: a protocol sends back only what follows it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +156,8 @@ class Delta:
 
     run: ChoiceRun
     text: str
+    reasoning: str
+    """New reasoning text (streamed before the answer's text)."""
     lo: int
     hi: int
 
@@ -184,8 +200,8 @@ def recorded_prefill(request: JSON) -> str:
         return str(own.get("prefill", ""))
     choice = request.get("tool_choice")
     if isinstance(choice, dict):
-        return named_prefill(str(choice["function"]["name"]))
-    return required_prefill() if choice == "required" else ""
+        return f'<tool_call>\n{{"name": {json.dumps(choice["function"]["name"])}, "arguments": '
+    return "<tool_call>\n" if choice == "required" else ""
 
 
 @dataclass(eq=False, slots=True)
@@ -193,22 +209,49 @@ class _Group:
     """One prompt of the turn and its n choices."""
 
     prompt: Prompt
+    prefill: str
     ids: list[int]
     plan: Plan | None
     runs: list[ChoiceRun]
+    opened: bool = False
+    """The prompt opens a reasoning block (`ReasoningParser.opens`)."""
+
+    @property
+    def parses_tools(self) -> bool:
+        return isinstance(self.prompt, ChatPrompt) and self.prompt.tool_choice.mode != "none"
 
 
 class TurnCore:
     """Starts turns on one engine, renderer and recorder (None: nothing is recorded)."""
 
     def __init__(
-        self, engine: Engine, renderer: ChatRenderer, recorder: Recorder | None, model_name: str
+        self,
+        engine: Engine,
+        renderer: ChatRenderer,
+        recorder: Recorder | None,
+        model_name: str,
+        parsers: Parsers,
     ) -> None:
         self.engine = engine
         self.renderer = renderer
         self.recorder = recorder
         self.model_name = model_name
+        self.parsers = parsers
         self.pieces = TokenPieces(renderer.tokenizer)
+        markers = {*parsers.tools.markers, *parsers.reasoning_markers}
+        added = getattr(renderer.tokenizer, "added_tokens_decoder", {})
+        self._keep = frozenset(i for i, t in added.items() if t.special and t.content in markers)
+        """Special tokens that are parsers' markers: decoded as text, so a parser sees them."""
+
+    def prefill(self, prompt: ChatPrompt) -> str:
+        """The text forced at the start of the reply: the client's own start, then what a
+        required or named tool call forces."""
+        choice, forced = prompt.tool_choice, ""
+        if choice.mode == "required":
+            forced = self.parsers.tools.prefill(None)
+        elif choice.mode == "named":
+            forced = self.parsers.tools.prefill(choice.name)
+        return prompt.continues + forced
 
     async def start(
         self,
@@ -228,10 +271,13 @@ class TurnCore:
         groups: list[_Group] = []
         try:
             for prompt in spec.prompts:
-                ids, plan = await self._prompt(prompt, session_id, spec.n, retry)
-                group = _Group(prompt, ids, plan, [])
+                prefill = self.prefill(prompt) if isinstance(prompt, ChatPrompt) else ""
+                ids, plan = await self._prompt(prompt, prefill, session_id, spec.n, retry)
+                group = _Group(prompt, prefill, ids, plan, [], self._opens(prompt, ids))
                 groups.append(group)
-                holdback = [TOOL_CALL_OPEN] if _parses_tools(prompt) else []
+                holdback = [*self.parsers.reasoning_markers]
+                if group.parses_tools:
+                    holdback += self.parsers.tools.markers
                 for req in choice_requests(sp, ids, spec.n, session_id, stream=spec.stream):
                     group.runs.append(
                         ChoiceRun(
@@ -239,7 +285,10 @@ class TurnCore:
                             request=req,
                             stream=self._generate(req, spec.cap_to_context),
                             decoder=IncrementalDecoder(
-                                self.renderer.tokenizer, spec.stop, holdback=holdback
+                                self.renderer.tokenizer,
+                                spec.stop,
+                                holdback=holdback,
+                                keep=self._keep,
                             ),
                         )
                     )
@@ -270,8 +319,15 @@ class TurnCore:
 
     # -- planning ----------------------------------------------------------------------------
 
+    def _opens(self, prompt: Prompt, ids: list[int]) -> bool:
+        reasoning = self.parsers.reasoning
+        if reasoning is None or not isinstance(prompt, ChatPrompt):
+            return False
+        tail = self.renderer.decode(ids[-16:], skip_special_tokens=False)
+        return reasoning.opens(tail)
+
     async def _prompt(
-        self, prompt: Prompt, session_id: str | None, n: int, retry: bool
+        self, prompt: Prompt, prefill: str, session_id: str | None, n: int, retry: bool
     ) -> tuple[list[int], Plan | None]:
         if isinstance(prompt, TokenPrompt):
             ids = prompt.ids
@@ -283,16 +339,12 @@ class TurnCore:
             choose = functools.partial(_choose_tokens, ids, given, retry)
         else:
             r = self.renderer
-            fresh = functools.partial(r.prompt, prompt.messages, prompt.tools, prompt.prefill)
-            choose = functools.partial(_choose_chat, r, prompt, retry)
+            fresh = functools.partial(r.prompt, prompt.messages, prompt.tools, prefill)
+            choose = functools.partial(_choose_chat, r, prompt, prefill, retry)
         if session_id is None or self.recorder is None:
             return await asyncio.to_thread(fresh), None
         plan = await self.recorder.plan(session_id, n, choose, fresh)
         return plan.prompt_ids, plan
-
-
-def _parses_tools(prompt: Prompt) -> bool:
-    return isinstance(prompt, ChatPrompt) and prompt.parse_tools
 
 
 def _choose_tokens(
@@ -308,7 +360,7 @@ def _choose_tokens(
 
 
 def _choose_chat(
-    r: ChatRenderer, prompt: ChatPrompt, retry: bool, segments: list[LiveSegment]
+    r: ChatRenderer, prompt: ChatPrompt, prefill: str, retry: bool, segments: list[LiveSegment]
 ) -> Match | None:
     for seg in reversed(segments):
         transcript = seg.transcript
@@ -320,19 +372,19 @@ def _choose_chat(
                 transcript["messages"],
                 prompt.messages,
                 prompt.tools,
-                prompt.prefill,
+                prefill,
             )
             return Match(seg, render)
         last = seg.replaceable(retry=retry)
-        if last is not None and _repeats(seg, last, prompt):
+        if last is not None and _repeats(seg, last, prompt, prefill):
             return Match(seg, functools.partial(list, seg.tokens[: last.prompt_len]), last)
     return None
 
 
-def _repeats(seg: LiveSegment, last: LastTurn, prompt: ChatPrompt) -> bool:
+def _repeats(seg: LiveSegment, last: LastTurn, prompt: ChatPrompt, prefill: str) -> bool:
     """The request is the one `last` answered, so its prompt is `last`'s."""
     return repeats(seg.transcript, prompt.messages, prompt.tools) and (
-        recorded_prefill(last.request) == prompt.prefill
+        recorded_prefill(last.request) == prefill
     )
 
 
@@ -359,8 +411,10 @@ class Turn:
         self.runs = [r for g in groups for r in g.runs]
         self.group = RunGroup(self.runs)
         self.committed = False
-        self.shown = [0] * len(self.runs)
+        self.shown = [len(_continues(self._group_of(r))) for r in self.runs]
         """How much of each choice's visible text was streamed."""
+        self.thought = [0] * len(self.runs)
+        """How much of each choice's reasoning was streamed."""
         self._choices: list[Choice] | None = None
         self._call_ids: dict[int, list[str]] = {}
 
@@ -377,32 +431,39 @@ class Turn:
     def completion_id(self, i: int) -> str:
         return self.id if len(self.runs) == 1 else f"{self.id}-{i}"
 
-    def _prompt_of(self, run: ChoiceRun) -> Prompt:
-        return self.groups[run.index // self.spec.n].prompt
-
-    def _prefill(self, run: ChoiceRun) -> str:
-        prompt = self._prompt_of(run)
-        return prompt.prefill if isinstance(prompt, ChatPrompt) else ""
+    def _group_of(self, run: ChoiceRun) -> _Group:
+        return self.groups[run.index // self.spec.n]
 
     def full_text(self, run: ChoiceRun) -> str:
-        return self._prefill(run) + run.decoder.text
+        return self._group_of(run).prefill + run.decoder.text
 
-    def visible(self, run: ChoiceRun) -> str:
-        """The text that may be shown now: never tool-call markup (nor the whitespace before
-        it), never what may still become a stop string."""
-        text = self._prefill(run) + run.decoder.safe_text()
-        if _parses_tools(self._prompt_of(run)):
-            at = text.find(TOOL_CALL_OPEN)
-            text = (text if at < 0 else text[:at]).rstrip()
-        return text
+    def _split(self, group: _Group, text: str) -> Split:
+        reasoning = self.core.parsers.reasoning
+        if reasoning is None or not isinstance(group.prompt, ChatPrompt):
+            return Split(None, text, True)
+        return reasoning.split(text, opened=group.opened)
+
+    def _visible(self, run: ChoiceRun) -> Split:
+        """What may be shown now: the reasoning so far, and the answer's text once the reasoning
+        has ended, never tool-call markup (nor the whitespace before it), never what may still
+        become a stop string or a marker."""
+        group = self._group_of(run)
+        split = self._split(group, group.prefill + run.decoder.safe_text())
+        text = split.answer if split.done else ""
+        if group.parses_tools:
+            cut = [at for m in self.core.parsers.tools.markers if (at := text.find(m)) >= 0]
+            text = (text[: min(cut)] if cut else text).rstrip()
+        return Split(split.reasoning, text, split.done)
 
     def _choice(self, run: ChoiceRun) -> Choice:
+        group = self._group_of(run)
         text = self.full_text(run)
+        split = self._split(group, text)
         finish = run.finish_reason or "abort"
-        content: str | None = text
+        content: str | None = split.answer if split.reasoning is None else split.answer or None
         calls: tuple[ToolCall, ...] = ()
-        if _parses_tools(self._prompt_of(run)):
-            content, parsed = parse_tool_calls(text)
+        if group.parses_tools:
+            content, parsed = self.core.parsers.tools.parse(split.answer)
             ids = self._call_ids.setdefault(run.index, [])
             while len(ids) < len(parsed):
                 ids.append(f"call_{uuid.uuid4().hex[:24]}")
@@ -416,10 +477,12 @@ class Turn:
             completion_id=self.completion_id(run.index),
             run=run,
             text=text,
+            reasoning=split.reasoning,
             content=content,
             tool_calls=calls,
             finish_reason=finish,
             stop_string=run.decoder.matched,
+            continued=_continues(group),
         )
 
     @property
@@ -443,6 +506,8 @@ class Turn:
         if isinstance(prompt, TokenPrompt):
             return dict(COMPLETION_TRANSCRIPT)
         reply: dict[str, Any] = {"role": "assistant", "content": choice.content or ""}
+        if choice.reasoning:
+            reply["reasoning_content"] = choice.reasoning
         if choice.tool_calls:
             reply["tool_calls"] = [
                 {
@@ -466,9 +531,8 @@ class Turn:
             if aborted and not any(r.ids for r in g.runs):
                 recorder.release(g.plan)
                 continue
-            prefill = g.prompt.prefill if isinstance(g.prompt, ChatPrompt) else ""
             request = self.spec.request | {
-                RECORD_KEY: {"protocol": self.spec.protocol, "prefill": prefill}
+                RECORD_KEY: {"protocol": self.spec.protocol, "prefill": g.prefill}
             }
             outcomes = []
             for r in g.runs:
@@ -533,19 +597,23 @@ class Turn:
         sent_tokens = [0] * len(self.runs)
         async for run in self.group.progress():
             i = run.index
-            text = self.visible(run)
-            new = text[self.shown[i] :] if len(text) > self.shown[i] else ""
-            self.shown[i] = max(self.shown[i], len(text))
+            shown = self._visible(run)
+            new = _more(shown.answer, self.shown, i)
+            thought = _more(shown.reasoning or "", self.thought, i)
             lo, hi = sent_tokens[i], len(run.ids)
             sent_tokens[i] = hi
-            if new or hi > lo:
-                yield Delta(run, new, lo, hi)
+            if new or thought or hi > lo:
+                yield Delta(run, new, thought, lo, hi)
         await self._commit(aborted=False)
         self._finish(aborted=False)
 
     def unsent(self, choice: Choice) -> str:
         """The part of a finished choice's content not yet streamed."""
         return (choice.content or "")[self.shown[choice.index] :]
+
+    def unsent_reasoning(self, choice: Choice) -> str:
+        """The part of a finished choice's reasoning not yet streamed."""
+        return (choice.reasoning or "")[self.thought[choice.index] :]
 
     async def close(self) -> None:
         """Stop generating; record the turn, aborted, unless it was committed (idempotent)."""
@@ -556,6 +624,31 @@ class Turn:
             await self.group.settle()
             if not self.committed:
                 await self._commit(aborted=True)
+
+
+def _continues(group: _Group) -> str:
+    return group.prompt.continues if isinstance(group.prompt, ChatPrompt) else ""
+
+
+def _more(text: str, sent: list[int], i: int) -> str:
+    """What `text` adds to the `sent[i]` characters already sent (and count it sent)."""
+    if len(text) <= sent[i]:
+        return ""
+    new, sent[i] = text[sent[i] :], len(text)
+    return new
+
+
+@dataclass(frozen=True, slots=True)
+class Parsers:
+    """How replies are read: tool calls by the model family's parser, reasoning by its parser
+    (None: the model does not reason)."""
+
+    tools: ToolCallParser
+    reasoning: ReasoningParser | None = None
+
+    @property
+    def reasoning_markers(self) -> tuple[str, ...]:
+        return () if self.reasoning is None else self.reasoning.markers
 
 
 def parse_arguments(arguments: str) -> Any:

@@ -123,6 +123,16 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "vLLM/SGLang server that a weight update labelled keeps its label)",
     )
     serve.add_argument(
+        "--tool-parser",
+        help="how tool calls are read from replies: hermes, qwen3_coder, llama3_json, mistral "
+        "(default auto: the chat template's format)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        help="how reasoning is split off replies: think or none (default auto: think when the "
+        "chat template writes <think>)",
+    )
+    serve.add_argument(
         "--train", action="store_true", help="also run the trainer in this process (embedded)"
     )
     serve.add_argument("--config", help="run config (YAML) for --train")

@@ -40,6 +40,8 @@ def run_serve(args: argparse.Namespace) -> int:
             "vllm_python": args.vllm_python,
             "sglang_python": args.sglang_python,
             "policy_version": args.policy_version,
+            "tool_parser": args.tool_parser,
+            "reasoning_parser": args.reasoning_parser,
         }.items()
         if v is not None
     }

@@ -33,6 +33,8 @@ TOOLS = [
 ]
 CALL = {"name": "add", "arguments": {"a": 2, "b": 3}}
 ANSWER = "The sum is 5."
+THOUGHT = "They want a sum."
+"""The thinking variant's reasoning before every reply (`<think>THOUGHT</think>`)."""
 QUESTIONS = ["What is 2 plus 3?", "Add two and three.", "2+3=?", "hi"]
 
 
@@ -50,9 +52,12 @@ def _assistant_call() -> dict[str, Any]:
     }
 
 
-def _examples() -> list[tuple[list[dict[str, Any]], str]]:
-    """(messages, the exact assistant text that must follow), covering up to 3 rounds."""
-    call_text = f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
+def _examples(thinking: bool = False) -> list[tuple[list[dict[str, Any]], str]]:
+    """(messages, the exact assistant text that must follow), covering up to 3 rounds, each
+    question's examples in order (each history extends the one before); with `thinking`, each
+    reply starts with `<think>\nTHOUGHT\n</think>\n\n`."""
+    think = f"<think>\n{THOUGHT}\n</think>\n\n" if thinking else ""
+    call_text = f"{think}<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
     out = []
     for q in QUESTIONS:
         history: list[dict[str, Any]] = []
@@ -70,12 +75,40 @@ def _examples() -> list[tuple[list[dict[str, Any]], str]]:
                 _assistant_call(),
                 {"role": "tool", "tool_call_id": "c", "content": "5"},
             ]
-            out.append((list(history), ANSWER))
+            out.append((list(history), think + ANSWER))
             history = [*history, {"role": "assistant", "content": ANSWER}]
     return out
 
 
-def build_scripted_model(out_dir: Path, *, steps: int = 200, batch: int = 8, seed: int = 0) -> Path:
+def _thinking_rows(tok: Any, im_end: int) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) of the thinking script, each prompt made as the gateway makes
+    it: a continuation holds the earlier turns' exact tokens, their reasoning included (the
+    template never renders it)."""
+    from gateway.chat_render import ChatRenderer
+
+    r = ChatRenderer(tok, frozenset({im_end}))
+    rows: list[tuple[list[int], int]] = []
+    tokens: list[int] = []
+    transcript: list[dict[str, Any]] = []
+    for messages, reply in _examples(thinking=True):
+        cont = None
+        if transcript and messages[: len(transcript)] == transcript:
+            cont = r.continuation(tokens, transcript, messages, TOOLS)
+        p_ids = cont if cont is not None else r.prompt(messages, TOOLS)
+        r_ids = [*r.encode(reply), im_end]
+        rows.append((p_ids + r_ids, len(p_ids)))
+        tokens = p_ids + r_ids
+        said = reply.split("</think>\n\n", 1)[1]
+        if said.startswith("<tool_call>"):
+            transcript = [*messages, _assistant_call()]
+        else:
+            transcript = [*messages, {"role": "assistant", "content": said}]
+    return rows
+
+
+def build_scripted_model(
+    out_dir: Path, *, steps: int = 200, batch: int = 8, seed: int = 0, thinking: bool = False
+) -> Path:
     """Fine-tune the test-sized tiny model on the script; returns the model directory."""
     from transformers import AutoModelForCausalLM
 
@@ -85,8 +118,8 @@ def build_scripted_model(out_dir: Path, *, steps: int = 200, batch: int = 8, see
     build_tiny_model(base, seed=seed)
     tok = load_tokenizer(base)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    rows = []
-    for messages, reply in _examples():
+    rows = _thinking_rows(tok, im_end) if thinking else []
+    for messages, reply in [] if thinking else _examples():
         prompt = tok.apply_chat_template(
             messages, tools=TOOLS, add_generation_prompt=True, tokenize=False
         )
@@ -123,17 +156,20 @@ def build_scripted_model(out_dir: Path, *, steps: int = 200, batch: int = 8, see
     return out_dir
 
 
-def scripted_model_dir() -> Path:
-    """The scripted model, built once per machine (about a minute on 2 cores) and cached."""
-    recipe = json.dumps([TOOLS, CALL, ANSWER, QUESTIONS, 200, 8, 0]).encode()
+def scripted_model_dir(*, thinking: bool = False) -> Path:
+    """The scripted model, built once per machine (about a minute on 2 cores) and cached; with
+    `thinking`, the variant that reasons first (serve it with `--reasoning-parser think`: its
+    template does not write `<think>` itself)."""
+    ingredients: list[Any] = [TOOLS, CALL, ANSWER, QUESTIONS, 200, 8, 0]
+    recipe = json.dumps([*ingredients, THOUGHT] if thinking else ingredients).encode()
     tag = hashlib.sha256(recipe).hexdigest()[:12]
     root = Path(os.environ.get("RLGATEWAY_CACHE_DIR") or Path.home() / ".cache" / "rlgateway")
-    target = root / "models" / f"scripted-{tag}"
+    target = root / "models" / f"scripted{'-thinking' if thinking else ''}-{tag}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".scripted-", dir=target.parent))
-    built = build_scripted_model(work / "model")
+    built = build_scripted_model(work / "model", thinking=thinking)
     with contextlib.suppress(OSError):  # another process finished first: use theirs
         os.replace(built, target)
     shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,82 @@
+"""Reasoning parsers: where a reply's reasoning ends and its answer begins.
+
+Qwen3 and DeepSeek-R1 style models write `<think>...</think>` before the answer; a template may
+open the block itself in the generation prompt (DeepSeek-R1 ends it with `<think>\\n`), so the
+reply holds only the closing tag. The reasoning is never cut out of the recorded tokens (they are
+what was sampled); it is only split off the reply's text, which the protocols hand out as
+`reasoning_content` (chat completions), `reasoning` items (Responses) and `thinking` blocks
+(Messages). Chosen from the chat template (`detect_reasoning_parser`), or by the setting
+`reasoning_parser`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    reasoning: str | None
+    """The reasoning text (None: the reply has none)."""
+    answer: str
+    """The rest of the reply, from which tool calls are parsed."""
+    done: bool
+    """The reasoning has ended (or there is none): `answer` may be shown."""
+
+
+class ReasoningParser(Protocol):
+    name: str
+    markers: tuple[str, ...]
+    """Texts a streamed reply holds back until they are decided (partial tags)."""
+
+    def opens(self, prompt_text: str) -> bool:
+        """The prompt (its rendered tail) opens a reasoning block the reply continues."""
+        ...
+
+    def split(self, text: str, *, opened: bool) -> Split: ...
+
+
+class ThinkParser:
+    """`<think>reasoning</think>answer`, the reasoning and the answer stripped of the blank
+    lines around them."""
+
+    name: str = "think"
+    start, end = "<think>", "</think>"
+    markers: tuple[str, ...] = (start, end)
+
+    def opens(self, prompt_text: str) -> bool:
+        return prompt_text.rstrip().endswith(self.start)
+
+    def split(self, text: str, *, opened: bool) -> Split:
+        body = text.lstrip()
+        started = opened or body.startswith(self.start)
+        if not started:
+            return Split(None, text, True)
+        if body.startswith(self.start):
+            body = body[len(self.start) :]
+        at = body.find(self.end)
+        if at < 0:
+            return Split(body.strip(), "", False)
+        return Split(body[:at].strip(), body[at + len(self.end) :].lstrip(), True)
+
+
+REASONING_PARSERS: dict[str, type[ThinkParser]] = {"think": ThinkParser}
+
+
+def detect_reasoning_parser(chat_template: str) -> str:
+    """`think` for a template that writes `<think>` (Qwen3, DeepSeek-R1), else `none`."""
+    return "think" if ThinkParser.start in chat_template else "none"
+
+
+def build_reasoning_parser(name: str, chat_template: str) -> ReasoningParser | None:
+    """`name` "auto": detected from the template; "none": no parser; else the registry's."""
+    if name == "auto":
+        name = detect_reasoning_parser(chat_template)
+    if name == "none":
+        return None
+    cls = REASONING_PARSERS.get(name)
+    if cls is None:
+        known = ", ".join(["auto", "none", *REASONING_PARSERS])
+        raise ValueError(f"unknown reasoning parser {name!r}: use one of {known}")
+    return cls()
