@@ -3,10 +3,12 @@
 
     pip install langchain-openai
     python agents_examples/langchain_agent.py --base-url SESSION_BASE_URL --api-key SESSION_KEY
+    python agents_examples/langchain_agent.py ... --api responses   # the Responses API instead
 
-Every call LangChain makes goes through the gateway's `/v1/chat/completions` and is recorded into
-the session. Prints one JSON line with the answers; the session's reward is posted by whoever
-grades it (here: the agent itself, 1 point per right answer, averaged).
+Every call LangChain makes goes through the gateway's `/v1/chat/completions` (or, with
+`--api responses`, `/v1/responses`) and is recorded into the session. Prints one JSON line with
+the answers; the session's reward is posted by whoever grades it (here: the agent itself, 1 point
+per right answer, averaged).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> None:
     p.add_argument("--base-url", required=True, help="the session's base_url (.../sessions/ID/v1)")
     p.add_argument("--api-key", required=True, help="the session's api_key")
     p.add_argument("--model", default="demo")
+    p.add_argument("--api", choices=["chat", "responses"], default="chat")
     args = p.parse_args()
 
     llm = ChatOpenAI(
@@ -35,6 +38,7 @@ def main() -> None:
         api_key=args.api_key,
         temperature=1.0,
         max_completion_tokens=4,
+        use_responses_api=args.api == "responses",
     )
     prompt = ChatPromptTemplate.from_messages([("user", "What letter comes {where} {letter}?")])
     chain = prompt | llm

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -135,11 +135,27 @@ _STATUS_DOCS = {
 }
 
 
-def error_docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses=` declarations of these error statuses, each with `ErrorBody`."""
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    """invalid_request_error, authentication_error, not_found_error, overloaded_error, ..."""
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """Every error response's body on the Anthropic routes (Anthropic's shape)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+def error_docs(
+    *statuses: int, model: type[BaseModel] = ErrorBody
+) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses=` declarations of these error statuses, each with `model` (`ErrorBody`,
+    or `AnthropicErrorBody` on the Anthropic routes)."""
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
-        doc: dict[str, Any] = {"model": ErrorBody, "description": _STATUS_DOCS[status]}
+        doc: dict[str, Any] = {"model": model, "description": _STATUS_DOCS[status]}
         if status in (429, 503):
             doc["headers"] = {
                 "Retry-After": {

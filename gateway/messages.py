@@ -84,6 +84,8 @@ class MessagesService:
                 top_p=body.top_p,
                 top_k=body.top_k,
                 max_new_tokens=body.max_tokens,
+                seed=body.seed,
+                ignore_eos=body.ignore_eos,
             ),
             stop=[s for s in body.stop_sequences or () if s],
             stream=body.stream,

@@ -55,6 +55,10 @@ class MessagesRequest(CountTokensRequest):
     top_p: Num | None = Field(None, gt=0.0, le=1.0)
     top_k: Int | None = Field(None, ge=0)
     stream: StrictBool = False
+    seed: Int | None = Field(None, ge=0, le=2**63 - 1)
+    """vLLM's extension, as on chat completions: the same seed reproduces the reply."""
+    ignore_eos: StrictBool = False
+    """vLLM's extension, as on chat completions: do not stop at the model's end token."""
 
 
 def tool_use_id(call_id: str) -> str:
@@ -158,7 +162,7 @@ def neutral_messages(body: CountTokensRequest) -> list[Message]:
                 uses.add(use_id)
             elif kind == "tool_result" and m.role == "user":
                 use_id = b.get("tool_use_id")
-                if use_id not in uses:
+                if not isinstance(use_id, str) or use_id not in uses:
                     raise BadRequest(
                         f"{where}.tool_use_id: a tool_result must answer a tool_use of the "
                         f"assistant message before it; {use_id!r} is none of "
@@ -208,7 +212,7 @@ def tool_choice_of(choice: dict[str, Any] | None, names: set[str]) -> ToolChoice
         return ToolChoice("none")
     if kind == "tool":
         name = (choice or {}).get("name")
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise BadRequest(
                 f"tool_choice names {name!r}, which is not in tools", param="tool_choice.name"
             )

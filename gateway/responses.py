@@ -85,6 +85,8 @@ class ResponsesService:
                 top_p=body.top_p,
                 max_new_tokens=body.max_output_tokens,
                 top_logprobs=body.top_logprobs or 0,
+                seed=body.seed,
+                ignore_eos=body.ignore_eos,
             ),
             stream=body.stream,
             request=body.model_dump(mode="json", exclude_none=True),
@@ -168,6 +170,8 @@ class _Events:
         self.ids = {"reasoning": _item_id("rs", turn), "message": _item_id("msg", turn)}
         self.index = -1
         self.open: str | None = None
+        self.closed = False
+        """The reasoning item was closed (the answer's text began)."""
         self.reasoning = ""
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -195,6 +199,7 @@ class _Events:
 
     def _close_reasoning(self, item: JSON) -> list[str]:
         self.open = None
+        self.closed = True
         return [
             self._text_event("response.reasoning_text.done", "reasoning", text=self.reasoning),
             self.event("response.output_item.done", output_index=self.index, item=item),
@@ -226,6 +231,8 @@ class _Events:
         for item in final["output"]:
             kind = item["type"]
             if kind == "reasoning":
+                if self.closed:
+                    continue
                 if self.open != "reasoning":
                     out += self._start("reasoning")
                 if reasoning_rest:

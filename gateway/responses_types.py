@@ -51,6 +51,10 @@ class ResponsesRequest(_Open, CheckedBody):
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
     reasoning: dict[str, Any] | None = None
+    seed: Int | None = Field(None, ge=0, le=2**63 - 1)
+    """vLLM's extension, as on chat completions: the same seed reproduces the reply."""
+    ignore_eos: StrictBool = False
+    """vLLM's extension, as on chat completions: do not stop at the model's end token."""
 
 
 # -- tools ------------------------------------------------------------------------------------
@@ -200,7 +204,7 @@ def input_messages(
             calls.add(call_id)
         elif kind == "function_call_output":
             call_id = item.get("call_id")
-            if call_id not in calls:
+            if not isinstance(call_id, str) or call_id not in calls:
                 raise BadRequest(
                     f"{at}.call_id: a function_call_output must answer a function_call before "
                     f"it, by its call_id; {call_id!r} is none of {sorted(calls) or 'them'}",
@@ -230,7 +234,7 @@ def tool_choice_of(choice: str | dict[str, Any] | None, names: set[str]) -> Tool
         raise BadRequest("tool_choice must be none, auto or required", param="tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = choice.get("name")
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise BadRequest(
                 f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
             )

@@ -9,16 +9,26 @@ shape (`gateway.errors.anthropic_route`). Tools the model cannot call are left o
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway.auth import resolve
 from gateway.deps import Gateway, GatewayDep
-from gateway.errors import error_docs
+from gateway.errors import AnthropicErrorBody, error_docs
 from gateway.messages_types import CountTokensRequest, MessagesRequest, tools_of
 from gateway.routes.generate import GENERATE_DOC, generate, left_out_headers
 
 router = APIRouter(tags=["anthropic"])
+
+_CREATE_DOC = GENERATE_DOC | error_docs(
+    400, 401, 404, 409, 413, 422, 429, 500, 503, model=AnthropicErrorBody
+)
+
+
+def _docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return error_docs(*statuses, model=AnthropicErrorBody)
 
 
 async def _create(
@@ -37,19 +47,19 @@ async def _count(
     return await gw.messages.count_tokens(body)
 
 
-@router.post("/v1/messages", responses=GENERATE_DOC)
+@router.post("/v1/messages", responses=_CREATE_DOC)
 async def create_message(gw: GatewayDep, request: Request, body: MessagesRequest) -> Response:
     return await _create(gw, request, body, None)
 
 
-@router.post("/sessions/{session_id}/v1/messages", responses=GENERATE_DOC)
+@router.post("/sessions/{session_id}/v1/messages", responses=_CREATE_DOC)
 async def session_create_message(
     gw: GatewayDep, request: Request, session_id: str, body: MessagesRequest
 ) -> Response:
     return await _create(gw, request, body, session_id)
 
 
-@router.post("/v1/messages/count_tokens", responses=error_docs(400, 401, 422, 500))
+@router.post("/v1/messages/count_tokens", responses=_docs(400, 401, 422, 500))
 async def count_tokens(
     gw: GatewayDep, request: Request, body: CountTokensRequest
 ) -> dict[str, int]:
@@ -57,7 +67,7 @@ async def count_tokens(
 
 
 @router.post(
-    "/sessions/{session_id}/v1/messages/count_tokens", responses=error_docs(400, 401, 404, 422, 500)
+    "/sessions/{session_id}/v1/messages/count_tokens", responses=_docs(400, 401, 404, 422, 500)
 )
 async def session_count_tokens(
     gw: GatewayDep, request: Request, session_id: str, body: CountTokensRequest

@@ -52,13 +52,14 @@ async def session_create_response(
     return await _create(gw, request, body, session_id)
 
 
-@router.get("/v1/responses/{response_id}", responses=error_docs(401, 404, 500))
+@router.get("/v1/responses/{response_id}", responses=error_docs(401, 403, 404, 422, 500))
 async def get_response(gw: GatewayDep, request: Request, response_id: str) -> Any:
     return await _get(gw, request, response_id, None)
 
 
 @router.get(
-    "/sessions/{session_id}/v1/responses/{response_id}", responses=error_docs(401, 404, 422, 500)
+    "/sessions/{session_id}/v1/responses/{response_id}",
+    responses=error_docs(401, 404, 422, 500),
 )
 async def session_get_response(
     gw: GatewayDep, request: Request, session_id: str, response_id: str

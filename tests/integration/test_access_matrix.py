@@ -17,6 +17,8 @@ from tests.integration.admin_client import ADMIN, USER, App, app_client, bearer,
 
 PRINCIPALS = ("none", "run_b", "session_b", "session_a", "run_a", "admin")
 CHAT = {"messages": USER, "max_tokens": 2, "seed": 0}
+RESPONSE = {"input": "ab", "max_output_tokens": 2}
+MESSAGE = {"messages": USER, "max_tokens": 2}
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ RUN = frozenset({"admin", "run_a"})
 SESSION = frozenset({"admin", "run_a", "session_a"})
 
 
-def cases(a: str, sa: str) -> list[Case]:
+def cases(a: str, sa: str, rid: str) -> list[Case]:
     """Every route of the API, in an order where destructive calls come last."""
     return [
         Case("GET", "/runs", ADMIN_ONLY, foreign=403),
@@ -83,6 +85,10 @@ def cases(a: str, sa: str) -> list[Case]:
         Case("GET", f"/sessions/{sa}/v1/models", SESSION),
         Case("POST", f"/sessions/{sa}/v1/chat/completions", SESSION, CHAT),
         Case("POST", f"/sessions/{sa}/v1/completions", SESSION, {"prompt": "ab", "max_tokens": 2}),
+        Case("POST", f"/sessions/{sa}/v1/responses", SESSION, RESPONSE),
+        Case("GET", f"/sessions/{sa}/v1/responses/{rid}", SESSION),
+        Case("POST", f"/sessions/{sa}/v1/messages", SESSION, MESSAGE),
+        Case("POST", f"/sessions/{sa}/v1/messages/count_tokens", SESSION, MESSAGE),
         Case("POST", f"/sessions/{sa}/reward", SESSION, {"reward": 1.0}),
         Case("PUT", f"/sessions/{sa}/reward", ADMIN_ONLY, {"reward": 0.5}, foreign=403),
         Case("POST", f"/sessions/{sa}/end", SESSION),
@@ -104,8 +110,9 @@ def expected(case: Case, who: str) -> int:
     return case.own_denied
 
 
-def route_key(method: str, path: str, a: str, sa: str) -> tuple[str, str]:
-    return method, path.replace(a, "{run_id}").replace(sa, "{session_id}")
+def route_key(method: str, path: str, a: str, sa: str, rid: str) -> tuple[str, str]:
+    path = path.replace(a, "{run_id}").replace(sa, "{session_id}")
+    return method, path.replace(rid, "{response_id}")
 
 
 async def test_every_route_for_every_kind_of_key(
@@ -127,22 +134,38 @@ async def test_every_route_for_every_kind_of_key(
             "none": {},
         }
         a, sa = run_a["id"], sess_a["id"]
-        table = cases(a, sa)
+        kept = await c.http.post(f"/sessions/{sa}/v1/responses", json=RESPONSE, headers=ADMIN)
+        rid = kept.json()["id"]
+        table = cases(a, sa, rid)
 
         # the table covers every route the app serves (the page and docs aside)
         served = {(m.upper(), path) for path, ops in c.app.openapi()["paths"].items() for m in ops}
-        covered = {route_key(k.method, k.path, a, sa) for k in table}
+        covered = {route_key(k.method, k.path, a, sa, rid) for k in table}
         plain = {
             ("POST", "/v1/chat/completions"),
             ("POST", "/v1/completions"),
             ("GET", "/v1/models"),
+            ("POST", "/v1/responses"),
+            ("GET", "/v1/responses/{response_id}"),
+            ("POST", "/v1/messages"),
+            ("POST", "/v1/messages/count_tokens"),
         }
         assert served - plain == covered, sorted(served ^ covered)
 
         # the plain /v1 routes: the admin (unrecorded) and session keys (into their own
         # session) may call them; a run key must name a session
-        for who, want in (("none", 401), ("run_a", 403), ("run_b", 403), ("admin", 200)):
-            r = await c.http.post("/v1/chat/completions", json=CHAT, headers=keys[who])
+        plain_bodies = {
+            "/v1/chat/completions": CHAT,
+            "/v1/responses": RESPONSE,
+            "/v1/messages": MESSAGE,
+            "/v1/messages/count_tokens": MESSAGE,
+        }
+        for path, body in plain_bodies.items():
+            for who, want in (("none", 401), ("run_a", 403), ("run_b", 403), ("admin", 200)):
+                r = await c.http.post(path, json=body, headers=keys[who])
+                assert r.status_code == want, (path, who, r.text)
+        for who, want in (("none", 401), ("run_a", 403), ("session_b", 404), ("admin", 200)):
+            r = await c.http.get(f"/v1/responses/{rid}", headers=keys[who])
             assert r.status_code == want, (who, r.text)
         before = len(
             (await c.http.get(f"/sessions/{sess_b['id']}", headers=ADMIN)).json()["segments"]
@@ -155,7 +178,10 @@ async def test_every_route_for_every_kind_of_key(
         for case in table:
             for who in PRINCIPALS:
                 r = await c.http.request(case.method, case.path, json=case.body, headers=keys[who])
-                if r.status_code >= 400:
+                if r.status_code >= 400 and "/v1/messages" in case.path:  # Anthropic's shape
+                    assert r.json()["type"] == "error"
+                    assert set(r.json()["error"]) == {"type", "message"}
+                elif r.status_code >= 400:
                     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
                 want = expected(case, who)
                 assert r.status_code == want, (case.method, case.path, who, r.text)

@@ -43,14 +43,21 @@ async def test_every_operation_declares_its_errors_in_openai_shape(
             assert "404" in errors, (method, path)
         if op.get("parameters") or "requestBody" in op:
             assert "422" in errors, (method, path)
+        # Anthropic's routes answer errors in Anthropic's shape
+        body = "AnthropicErrorBody" if "/v1/messages" in path else "ErrorBody"
         for status, r in errors.items():
             schema = r["content"]["application/json"]["schema"]
-            assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (method, path, status)
+            assert schema == {"$ref": f"#/components/schemas/{body}"}, (method, path, status)
     ops = {(m, p): op for m, p, op in operations(spec)}
     export = ops["GET", "/runs/{run_id}/export"]["responses"]["200"]["content"]
     assert "application/x-ndjson" in export
     assert "Retry-After" in ops["POST", "/runs/{run_id}/sessions"]["responses"]["429"]["headers"]
-    for path in ("/v1/chat/completions", "/sessions/{session_id}/v1/completions"):
+    for path in (
+        "/v1/chat/completions",
+        "/sessions/{session_id}/v1/completions",
+        "/v1/responses",
+        "/sessions/{session_id}/v1/messages",
+    ):
         content = ops["POST", path]["responses"]["200"]["content"]
         assert {"application/json", "text/event-stream"} <= set(content), path
 

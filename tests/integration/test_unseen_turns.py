@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -312,24 +313,51 @@ async def test_a_7mb_message_does_not_stall_health(gw: Gw) -> None:
 
 
 @pytest.mark.slow
+def _ask(protocol: str, s: dict[str, Any], timeout: float, max_tokens: int) -> tuple[str, int]:
+    """One request of the SDK of `protocol` with its own retries: (the reply's id, its sampled
+    tokens). `ignore_eos`: the tiny model runs to `max_tokens`."""
+    extra = {"ignore_eos": True}
+    if protocol == "messages":
+        with anthropic.Anthropic(
+            base_url=s["base_url"].removesuffix("/v1"), api_key=s["api_key"], timeout=timeout
+        ) as a:
+            m = a.messages.create(
+                model="tiny", messages=USER, max_tokens=max_tokens, extra_body=extra
+            )
+            return m.id, m.usage.output_tokens
+    with openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], timeout=timeout) as o:
+        if protocol == "responses":
+            r = o.responses.create(
+                model="tiny",
+                input=USER,
+                max_output_tokens=max_tokens,
+                extra_body=extra,  # type: ignore[arg-type]
+            )
+            assert r.usage is not None
+            return r.id, r.usage.output_tokens
+        c = o.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=max_tokens, extra_body=extra
+        )
+        assert c.usage is not None
+        return c.id, c.usage.completion_tokens
+
+
+@pytest.mark.parametrize("protocol", ["chat", "responses", "messages"])
 def test_sdk_retries_after_timeouts_train_no_turn_the_agent_never_saw(
-    tiny_model: Path, tmp_path: Path
+    tiny_model: Path, tmp_path: Path, protocol: str
 ) -> None:
-    """The openai SDK times out (its default 2 retries, each a new attempt of the same body):
-    every attempt is aborted when its client leaves, each retry takes the previous attempt's
-    place in the one segment, and none is trained; the agent's next request with a longer
-    timeout yields the session's one trained turn."""
+    """The SDK (openai, or anthropic on Messages) times out (its default 2 retries, each a new
+    attempt of the same body): every attempt is aborted when its client leaves, each retry takes
+    the previous attempt's place in the one segment, and none is trained; the agent's next
+    request with a longer timeout yields the session's one trained turn."""
     with run_gateway(tiny_model, tmp_path) as gw:
         run_id = gw.create_run()
         s = gw.new_session(run_id=run_id)
         # 2000 tokens take the tiny model about 1 s on an idle core, several under load: a
         # quarter second times every attempt out wherever this runs
-        client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], timeout=0.25)
         t0 = time.perf_counter()
-        with pytest.raises(openai.APITimeoutError):
-            client.chat.completions.create(
-                model="tiny", messages=USER, max_tokens=2000, extra_body={"ignore_eos": True}
-            )
+        with pytest.raises((openai.APITimeoutError, anthropic.APITimeoutError)):
+            _ask(protocol, s, 0.25, 2000)
         print(f"3 attempts timed out in {time.perf_counter() - t0:.1f} s")
         db = sqlite3.connect(gw.database_url.removeprefix("sqlite:///"))
 
@@ -347,8 +375,7 @@ def test_sdk_retries_after_timeouts_train_no_turn_the_agent_never_saw(
         assert detail["prefix_breaks"] == 0
         assert list(detail["finish_reasons"].values()) == ["abort"]
 
-        with openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], timeout=60) as patient:
-            reply = patient.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
+        reply_id, sampled = _ask(protocol, s, 60, 4)
         assert statuses() == ["replaced", "replaced", "replaced", "ok"]
         assert gw.session(s["id"])["prefix_breaks"] == 0
         assert gw.client.post(f"/sessions/{s['id']}/reward", json={"reward": 1}).status_code == 200
@@ -362,7 +389,6 @@ def test_sdk_retries_after_timeouts_train_no_turn_the_agent_never_saw(
                 await store.close()
 
         [t] = asyncio.run(trainable())
-        assert [seg.completion_ids for seg in t.segments] == [[reply.id]]
-        assert reply.usage is not None
-        assert sampled_turns(t) == [reply.usage.completion_tokens]
+        assert [seg.completion_ids for seg in t.segments] == [[reply_id]]
+        assert sampled_turns(t) == [sampled]
         db.close()

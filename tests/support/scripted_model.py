@@ -161,7 +161,9 @@ def scripted_model_dir(*, thinking: bool = False) -> Path:
     `thinking`, the variant that reasons first (serve it with `--reasoning-parser think`: its
     template does not write `<think>` itself)."""
     ingredients: list[Any] = [TOOLS, CALL, ANSWER, QUESTIONS, 200, 8, 0]
-    recipe = json.dumps([*ingredients, THOUGHT] if thinking else ingredients).encode()
+    if thinking:
+        ingredients += [THOUGHT, "prompts as the gateway continues them"]
+    recipe = json.dumps(ingredients).encode()
     tag = hashlib.sha256(recipe).hexdigest()[:12]
     root = Path(os.environ.get("RLGATEWAY_CACHE_DIR") or Path.home() / ".cache" / "rlgateway")
     target = root / "models" / f"scripted{'-thinking' if thinking else ''}-{tag}"

@@ -1,0 +1,186 @@
+"""What each protocol's adapter costs over the turn core: gateway CPU per request, side by side in
+one run.
+
+    .venv/bin/python bench/bench_protocols.py [--requests 300] [--tokens 32] [--repeat 3]
+
+The gateway runs in-process (ASGI) on an engine that replays a fixed reply at once (so only the
+gateway's own work is measured: no model), recording every turn into a SQLite store. Each row
+sends the same single-turn question, with tools, through one protocol, sequentially, and reports
+CPU microseconds per request (`time.process_time`: this process's CPU, which other load on the
+machine does not inflate). "core" calls the turn core directly (plan, generate, parse, commit; no
+HTTP, no request or response schema); the protocol rows go through HTTP (the httpx client's own CPU
+included, the same for every row), so "over core" is what the route edge and the adapter add.
+`--repeat` runs every row N times, interleaved, and reports each row's median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ADMIN = {"Authorization": "Bearer bench"}
+QUESTION = "What is 2 plus 3?"
+ADD = {"type": "object", "properties": {"a": {}, "b": {}}}
+
+
+class ReplayEngine:
+    """An engine that answers every request with the same token ids at once."""
+
+    def __init__(self, reply: list[int], eos: int) -> None:
+        self.reply = reply
+        self.eos_token_ids = frozenset({eos})
+
+    async def generate(self, request: Any) -> AsyncIterator[Any]:
+        from engines.base import FinishReason, TokenChunk
+
+        ids = self.reply[: request.sampling.max_new_tokens or len(self.reply)]
+        step = max(1, request.stream_interval)
+        for at in range(0, len(ids), step):
+            part = tuple(ids[at : at + step])
+            last = at + step >= len(ids)
+            yield TokenChunk(
+                part,
+                (-0.5,) * len(part),
+                (0,) * len(part),
+                FinishReason.STOP if last else None,
+            )
+
+    async def abort(self, request_id: str) -> None: ...
+    async def pause(self) -> None: ...
+    async def resume(self) -> None: ...
+
+    async def update_weights(self, update: Any) -> int:
+        return 0
+
+    def version(self) -> int:
+        return 0
+
+    async def health(self) -> Any:
+        from engines.base import EngineHealth
+
+        return EngineHealth(ok=True, paused=False, version=0, running=0, waiting=0)
+
+    async def close(self) -> None: ...
+
+
+def bodies(tokens: int) -> dict[str, tuple[str, dict[str, Any]]]:
+    chat_tool = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
+    user = [{"role": "user", "content": QUESTION}]
+    return {
+        "chat": ("chat/completions", {"messages": user, "tools": chat_tool, "max_tokens": tokens}),
+        "completions": ("completions", {"prompt": QUESTION, "max_tokens": tokens}),
+        "responses": (
+            "responses",
+            {
+                "input": QUESTION,
+                "tools": [{"type": "function", "name": "add", "parameters": ADD}],
+                "max_output_tokens": tokens,
+            },
+        ),
+        "messages": (
+            "messages",
+            {
+                "messages": user,
+                "tools": [{"name": "add", "input_schema": ADD}],
+                "max_tokens": tokens,
+            },
+        ),
+    }
+
+
+async def cpu_per_request(n: int, send: Callable[[], Awaitable[None]]) -> float:
+    for _ in range(5):  # warm caches (tokenizer pieces, templates, connections)
+        await send()
+    t0 = time.process_time()
+    for _ in range(n):
+        await send()
+    return (time.process_time() - t0) / n * 1e6
+
+
+async def main(requests: int, tokens: int, repeat: int) -> None:
+    from engines.tiny_model import load_tokenizer, tiny_model_dir
+    from gateway.deps import Components
+    from gateway.sampling import Asked
+    from gateway.settings import GatewaySettings
+    from gateway.turn import ChatPrompt, ToolChoice, TurnSpec
+    from rlgateway.app import create_app
+    from store import Store
+
+    model = tiny_model_dir()
+    tok = load_tokenizer(model)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    reply = tok.encode("The sum is five, " * tokens, add_special_tokens=False)[: tokens - 1]
+    engine = ReplayEngine([*reply, eos], eos)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-protocols-"))
+    store = await Store.connect(f"sqlite:///{tmp / 'store.db'}")
+    app = create_app(
+        GatewaySettings(admin_token="bench"),
+        Components(engine, store, tok, engine.eos_token_ids, "tiny"),  # type: ignore[arg-type]
+    )
+    rows: dict[str, list[float]] = {}
+    async with app.router.lifespan_context(app):
+        gw = app.state.gateway
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            run = (await http.post("/runs", json={"name": "b"}, headers=ADMIN)).json()["id"]
+            made = await http.post(f"/runs/{run}/sessions", json={"count": 1}, headers=ADMIN)
+            s = made.json()["sessions"][0]
+            auth = {"Authorization": f"Bearer {s['api_key']}", "x-api-key": s["api_key"]}
+            tools = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
+            spec = TurnSpec(
+                protocol="chat",
+                id_prefix="chatcmpl-",
+                prompts=[
+                    ChatPrompt([{"role": "user", "content": QUESTION}], tools, ToolChoice("auto"))
+                ],
+                asked=Asked(max_new_tokens=tokens),
+            )
+
+            async def core() -> None:
+                turn = await gw.chat.core.start(spec, s["id"], run=None, respond=lambda t, c: {})
+                await turn.complete()
+
+            def via(path: str, body: dict[str, Any], stream: bool) -> Callable[[], Awaitable[None]]:
+                async def send() -> None:
+                    r = await http.post(
+                        f"/sessions/{s['id']}/v1/{path}",
+                        json=body | {"stream": stream},
+                        headers=auth,
+                    )
+                    assert r.status_code == 200, r.text
+
+                return send
+
+            senders: dict[str, Callable[[], Awaitable[None]]] = {"core": core}
+            for name, (path, body) in bodies(tokens).items():
+                senders[name] = via(path, body, False)
+                senders[f"{name} (stream)"] = via(path, body, True)
+            for _ in range(repeat):
+                for name, send in senders.items():
+                    rows.setdefault(name, []).append(await cpu_per_request(requests, send))
+    await store.close()
+    base = statistics.median(rows["core"])
+    print(f"\n{requests} requests per row, {tokens} tokens each, median of {repeat}\n")
+    print("| path | CPU per request (us) | over core (us) |")
+    print("|---|---:|---:|")
+    for name, runs in rows.items():
+        cpu = statistics.median(runs)
+        over = "" if name == "core" else f"{cpu - base:.0f}"
+        print(f"| {name} | {cpu:.0f} | {over} |")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=3)
+    a = p.parse_args()
+    asyncio.run(main(a.requests, a.tokens, a.repeat))
