@@ -1,12 +1,14 @@
 """An agent written with LangChain, unmodified except for its base_url and key: a prompt template,
 `ChatOpenAI` and an output parser, as LangChain's own tutorials build them.
 
-    pip install langchain-openai
+    pip install langchain-openai langchain-anthropic
     python agents_examples/langchain_agent.py --base-url SESSION_BASE_URL --api-key SESSION_KEY
     python agents_examples/langchain_agent.py ... --api responses   # the Responses API instead
+    python agents_examples/langchain_agent.py ... --api messages    # ChatAnthropic, Messages
 
 Every call LangChain makes goes through the gateway's `/v1/chat/completions` (or, with
-`--api responses`, `/v1/responses`) and is recorded into the session. Prints one JSON line with
+`--api responses`, `/v1/responses`; with `--api messages`, Anthropic's `/v1/messages`) and is
+recorded into the session. Prints one JSON line with
 the answers; the session's reward is posted by whoever grades it (here: the agent itself, 1 point
 per right answer, averaged).
 """
@@ -17,6 +19,7 @@ import argparse
 import json
 
 import httpx
+from langchain_core.language_models import BaseChatModel
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_openai import ChatOpenAI
@@ -29,17 +32,30 @@ def main() -> None:
     p.add_argument("--base-url", required=True, help="the session's base_url (.../sessions/ID/v1)")
     p.add_argument("--api-key", required=True, help="the session's api_key")
     p.add_argument("--model", default="demo")
-    p.add_argument("--api", choices=["chat", "responses"], default="chat")
+    p.add_argument("--api", choices=["chat", "responses", "messages"], default="chat")
     args = p.parse_args()
 
-    llm = ChatOpenAI(
-        model=args.model,
-        base_url=args.base_url,
-        api_key=args.api_key,
-        temperature=1.0,
-        max_completion_tokens=4,
-        use_responses_api=args.api == "responses",
-    )
+    llm: BaseChatModel
+    if args.api == "messages":
+        from langchain_anthropic import ChatAnthropic
+
+        # Anthropic's client takes the base URL without /v1, and the key as x-api-key
+        llm = ChatAnthropic(  # type: ignore[call-arg]
+            model=args.model,
+            base_url=args.base_url.rstrip("/").removesuffix("/v1"),
+            api_key=args.api_key,
+            temperature=1.0,
+            max_tokens=4,
+        )
+    else:
+        llm = ChatOpenAI(
+            model=args.model,
+            base_url=args.base_url,
+            api_key=args.api_key,
+            temperature=1.0,
+            max_completion_tokens=4,
+            use_responses_api=args.api == "responses",
+        )
     prompt = ChatPromptTemplate.from_messages([("user", "What letter comes {where} {letter}?")])
     chain = prompt | llm
     chain = chain | StrOutputParser()

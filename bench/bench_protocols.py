@@ -18,57 +18,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # for tests/support (the replay engine)
+
 ADMIN = {"Authorization": "Bearer bench"}
 QUESTION = "What is 2 plus 3?"
 ADD = {"type": "object", "properties": {"a": {}, "b": {}}}
-
-
-class ReplayEngine:
-    """An engine that answers every request with the same token ids at once."""
-
-    def __init__(self, reply: list[int], eos: int) -> None:
-        self.reply = reply
-        self.eos_token_ids = frozenset({eos})
-
-    async def generate(self, request: Any) -> AsyncIterator[Any]:
-        from engines.base import FinishReason, TokenChunk
-
-        ids = self.reply[: request.sampling.max_new_tokens or len(self.reply)]
-        step = max(1, request.stream_interval)
-        for at in range(0, len(ids), step):
-            part = tuple(ids[at : at + step])
-            last = at + step >= len(ids)
-            yield TokenChunk(
-                part,
-                (-0.5,) * len(part),
-                (0,) * len(part),
-                FinishReason.STOP if last else None,
-            )
-
-    async def abort(self, request_id: str) -> None: ...
-    async def pause(self) -> None: ...
-    async def resume(self) -> None: ...
-
-    async def update_weights(self, update: Any) -> int:
-        return 0
-
-    def version(self) -> int:
-        return 0
-
-    async def health(self) -> Any:
-        from engines.base import EngineHealth
-
-        return EngineHealth(ok=True, paused=False, version=0, running=0, waiting=0)
-
-    async def close(self) -> None: ...
 
 
 def bodies(tokens: int) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -96,13 +60,21 @@ def bodies(tokens: int) -> dict[str, tuple[str, dict[str, Any]]]:
     }
 
 
-async def cpu_per_request(n: int, send: Callable[[], Awaitable[None]]) -> float:
-    for _ in range(5):  # warm caches (tokenizer pieces, templates, connections)
-        await send()
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+"""One request in the given session."""
+WARM = 5
+"""Requests before the measured ones (tokenizer pieces, templates, connections)."""
+
+
+async def cpu_per_request(sessions: list[dict[str, Any]], send: Send) -> float:
+    """Each request in a session of its own (a session's later requests compare against its
+    earlier segments: that is not what is measured here)."""
+    for s in sessions[:WARM]:
+        await send(s)
     t0 = time.process_time()
-    for _ in range(n):
-        await send()
-    return (time.process_time() - t0) / n * 1e6
+    for s in sessions[WARM:]:
+        await send(s)
+    return (time.process_time() - t0) / (len(sessions) - WARM) * 1e6
 
 
 async def main(requests: int, tokens: int, repeat: int) -> None:
@@ -113,6 +85,7 @@ async def main(requests: int, tokens: int, repeat: int) -> None:
     from gateway.turn import ChatPrompt, ToolChoice, TurnSpec
     from rlgateway.app import create_app
     from store import Store
+    from tests.support.replay_engine import ReplayEngine
 
     model = tiny_model_dir()
     tok = load_tokenizer(model)
@@ -131,9 +104,17 @@ async def main(requests: int, tokens: int, repeat: int) -> None:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
             run = (await http.post("/runs", json={"name": "b"}, headers=ADMIN)).json()["id"]
-            made = await http.post(f"/runs/{run}/sessions", json={"count": 1}, headers=ADMIN)
-            s = made.json()["sessions"][0]
-            auth = {"Authorization": f"Bearer {s['api_key']}", "x-api-key": s["api_key"]}
+
+            async def sessions() -> list[dict[str, Any]]:
+                made = []
+                while len(made) < requests + WARM:
+                    count = min(1024, requests + WARM - len(made))
+                    r = await http.post(
+                        f"/runs/{run}/sessions", json={"count": count}, headers=ADMIN
+                    )
+                    made += r.json()["sessions"]
+                return made
+
             tools = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
             spec = TurnSpec(
                 protocol="chat",
@@ -144,28 +125,29 @@ async def main(requests: int, tokens: int, repeat: int) -> None:
                 asked=Asked(max_new_tokens=tokens),
             )
 
-            async def core() -> None:
+            async def core(s: dict[str, Any]) -> None:
                 turn = await gw.chat.core.start(spec, s["id"], run=None, respond=lambda t, c: {})
                 await turn.complete()
 
-            def via(path: str, body: dict[str, Any], stream: bool) -> Callable[[], Awaitable[None]]:
-                async def send() -> None:
+            def via(path: str, body: dict[str, Any], stream: bool) -> Send:
+                async def send(s: dict[str, Any]) -> None:
                     r = await http.post(
                         f"/sessions/{s['id']}/v1/{path}",
                         json=body | {"stream": stream},
-                        headers=auth,
+                        headers={"Authorization": f"Bearer {s['api_key']}"},
                     )
                     assert r.status_code == 200, r.text
 
                 return send
 
-            senders: dict[str, Callable[[], Awaitable[None]]] = {"core": core}
+            senders: dict[str, Send] = {"core": core}
             for name, (path, body) in bodies(tokens).items():
                 senders[name] = via(path, body, False)
                 senders[f"{name} (stream)"] = via(path, body, True)
             for _ in range(repeat):
                 for name, send in senders.items():
-                    rows.setdefault(name, []).append(await cpu_per_request(requests, send))
+                    fresh = await sessions()
+                    rows.setdefault(name, []).append(await cpu_per_request(fresh, send))
     await store.close()
     base = statistics.median(rows["core"])
     print(f"\n{requests} requests per row, {tokens} tokens each, median of {repeat}\n")

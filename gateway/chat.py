@@ -4,6 +4,7 @@ a turn's choices to `chat.completion` JSON or `chat.completion.chunk` events."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from gateway.chat_render import normalize_messages, normalize_tools
@@ -33,7 +34,8 @@ def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
         mode = ToolChoice("named", name)
     else:
         mode = ToolChoice(choice)
-    return ChatPrompt(normalize_messages(body.messages), tools, mode)
+    one = body.parallel_tool_calls is False
+    return ChatPrompt(normalize_messages(body.messages), tools, replace(mode, parallel=not one))
 
 
 def chat_spec(body: ChatCompletionRequest) -> TurnSpec:

@@ -21,6 +21,7 @@ class IncrementalDecoder:
         *,
         holdback: list[str],
         keep: frozenset[int] = frozenset(),
+        kept_stops: frozenset[str] = frozenset(),
     ) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
@@ -39,6 +40,8 @@ class IncrementalDecoder:
         self._backend = backend if plain else None
         self._keep = keep
         """Special tokens decoded as text all the same (a parser's markers, `[TOOL_CALLS]`)."""
+        self._kept_stops = kept_stops
+        """Stop strings that stay in the text (the end of a tool call), where others are cut."""
 
     def _decode(self, ids: list[int]) -> str:
         if not self._keep or self._keep.isdisjoint(ids):
@@ -75,7 +78,8 @@ class IncrementalDecoder:
             ]
             if hits:
                 at, self.matched = min(hits)
-                self.text = self.text[:at]
+                kept = len(self.matched) if self.matched in self._kept_stops else 0
+                self.text = self.text[: at + kept]
                 self.stopped = True
 
     def flush(self) -> None:

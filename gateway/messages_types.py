@@ -17,6 +17,7 @@ never a 400.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
@@ -198,7 +199,13 @@ _MODES: dict[str, ToolMode] = {"auto": "auto", "any": "required", "none": "none"
 
 
 def tool_choice_of(choice: dict[str, Any] | None, names: set[str]) -> ToolChoice:
-    """auto (the default), any (some tool: required), tool (that one: named) or none."""
+    """auto (the default), any (some tool: required), tool (that one: named) or none; with
+    `disable_parallel_tool_use`, one call at most."""
+    parallel = not (choice or {}).get("disable_parallel_tool_use")
+    return replace(_tool_choice(choice, names), parallel=parallel)
+
+
+def _tool_choice(choice: dict[str, Any] | None, names: set[str]) -> ToolChoice:
     kind = "auto" if choice is None else choice.get("type")
     if kind not in ("auto", "any", "tool", "none"):
         raise BadRequest(

@@ -111,6 +111,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    """False: one tool call at most (the reply stops at the end of its first)."""
 
     @model_validator(mode="after")
     def _tool_results_answer_calls(self) -> Self:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from gateway.choices import ChoiceRun, EventStream, chat_logprobs
@@ -69,6 +70,7 @@ class ResponsesService:
         prior = await self._prior(body, session_id)
         tools = tools_of(body.tools).callable
         calls = tool_choice_of(body.tool_choice, {t["function"]["name"] for t in tools})
+        calls = replace(calls, parallel=body.parallel_tool_calls is not False)
         messages = input_messages(
             body.input, open_calls=frozenset() if prior is None else prior.open_calls
         )

@@ -45,6 +45,9 @@ class ToolCallParser(Protocol):
     markers: tuple[str, ...]
     """Texts that may start a tool call. While a reply streams, visible text is cut at the first
     marker and a partial marker at the end is held back (so markup is never streamed as text)."""
+    call_end: str | None
+    """The text that ends one call, where the format has one: a turn that may make one call
+    only (`parallel_tool_calls: false`) stops there, so no second call is ever sampled."""
 
     def parse(self, text: str) -> Parsed:
         """(content outside the calls, stripped, None when empty; the calls). A malformed call
@@ -90,6 +93,7 @@ class HermesParser:
 
     name = "hermes"
     markers: tuple[str, ...] = ("<tool_call>",)
+    call_end: str | None = "</tool_call>"
 
     def parse(self, text: str) -> Parsed:
         start = _first_marker(text, self.markers)
@@ -139,6 +143,7 @@ class Qwen3CoderParser:
 
     name = "qwen3_coder"
     markers: tuple[str, ...] = ("<tool_call>", "<function=")
+    call_end: str | None = "</tool_call>"
 
     def parse(self, text: str) -> Parsed:
         start = _first_marker(text, self.markers)
@@ -174,6 +179,7 @@ class Llama3JsonParser:
 
     name = "llama3_json"
     markers: tuple[str, ...] = ("<|python_tag|>", '{"name"')
+    call_end: str | None = None  # a call ends where its JSON does: no text marks it
 
     def parse(self, text: str) -> Parsed:
         if _first_marker(text, self.markers) < 0:
@@ -209,6 +215,7 @@ class MistralParser:
 
     name = "mistral"
     markers: tuple[str, ...] = ("[TOOL_CALLS]",)
+    call_end: str | None = None  # one array holds every call
 
     def parse(self, text: str) -> Parsed:
         start = _first_marker(text, self.markers)

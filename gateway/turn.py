@@ -67,6 +67,10 @@ class ToolChoice:
 
     mode: ToolMode = "none"
     name: str = ""
+    parallel: bool = True
+    """False: one call at most (`parallel_tool_calls: false`, Anthropic's
+    `disable_parallel_tool_use`): the reply stops at the end of its first call, where the
+    format marks it (`ToolCallParser.call_end`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,8 +280,13 @@ class TurnCore:
                 group = _Group(prompt, prefill, ids, plan, [], self._opens(prompt, ids))
                 groups.append(group)
                 holdback = [*self.parsers.reasoning_markers]
+                stops, kept = spec.stop, frozenset[str]()
                 if group.parses_tools:
                     holdback += self.parsers.tools.markers
+                    end = self.parsers.tools.call_end
+                    single = isinstance(prompt, ChatPrompt) and not prompt.tool_choice.parallel
+                    if end is not None and single:
+                        stops, kept = [*spec.stop, end], frozenset({end})
                 for req in choice_requests(sp, ids, spec.n, session_id, stream=spec.stream):
                     group.runs.append(
                         ChoiceRun(
@@ -286,9 +295,10 @@ class TurnCore:
                             stream=self._generate(req, spec.cap_to_context),
                             decoder=IncrementalDecoder(
                                 self.renderer.tokenizer,
-                                spec.stop,
+                                stops,
                                 holdback=holdback,
                                 keep=self._keep,
+                                kept_stops=kept,
                             ),
                         )
                     )
@@ -481,7 +491,8 @@ class Turn:
             content=content,
             tool_calls=calls,
             finish_reason=finish,
-            stop_string=run.decoder.matched,
+            # the client's own stop strings; a call's end (one call only) is none of them
+            stop_string=run.decoder.matched if run.decoder.matched in self.spec.stop else None,
             continued=_continues(group),
         )
 

@@ -88,7 +88,7 @@ def test_tool_agent_calls_the_calculator_and_is_recorded_as_one_segment(
     assert detail["prefix_breaks"] == 0
 
 
-@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
 def test_langchain_agent_unmodified(gw: GatewayHandle, api: str) -> None:
     s = gw.new_session()
     out = run_example("langchain_agent.py", *session_args(s), "--api", api)
@@ -96,7 +96,10 @@ def test_langchain_agent_unmodified(gw: GatewayHandle, api: str) -> None:
     detail = gw.session(s["id"])
     assert_recorded(detail, completions=2)
     ids = [c for seg in detail["segments"] for c in seg["completion_ids"]]
-    assert all(c.startswith({"chat": "chatcmpl-", "responses": "resp_"}[api]) for c in ids), ids
+    assert all(
+        c.startswith({"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}[api])
+        for c in ids
+    ), ids
     assert detail["rewards"][0]["reward"] == out["reward"]
 
 
