@@ -82,7 +82,7 @@ async def main(requests: int, tokens: int, repeat: int) -> None:
     from gateway.deps import Components
     from gateway.sampling import Asked
     from gateway.settings import GatewaySettings
-    from gateway.turn import ChatPrompt, ToolChoice, TurnSpec
+    from gateway.turn_types import ChatPrompt, ToolChoice, TurnSpec
     from rlgateway.app import create_app
     from store import Store
     from tests.support.replay_engine import ReplayEngine

@@ -8,11 +8,13 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.chat_render import normalize_messages, normalize_tools
-from gateway.choices import EventStream, chat_logprobs, sse_chunk, sse_error
+from gateway.choices import EventStream, chat_logprobs
 from gateway.errors import BadRequest
+from gateway.openai_sse import sse_stream, usage_of
 from gateway.openai_types import ChatCompletionRequest, NamedToolChoice
-from gateway.sampling import Asked
-from gateway.turn import ChatPrompt, Choice, ToolChoice, Turn, TurnCore, TurnSpec
+from gateway.turn import TurnCore
+from gateway.turn_run import Turn
+from gateway.turn_types import ChatPrompt, Choice, Delta, ToolChoice, TurnSpec
 from store.run_config import RunConfig
 from store.types import JSON
 
@@ -43,16 +45,9 @@ def chat_spec(body: ChatCompletionRequest) -> TurnSpec:
         protocol="chat",
         id_prefix="chatcmpl-",
         prompts=[chat_prompt(body)],
-        asked=Asked(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_tokens=body.min_tokens,
-            seed=body.seed,
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=body.ignore_eos,
-            max_new_tokens=body.max_completion_tokens or body.max_tokens,
-            top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
+        asked=body.asked(
+            body.max_completion_tokens or body.max_tokens,
+            (body.top_logprobs or 0) if body.logprobs else 0,
         ),
         n=body.n,
         stop=body.stop_strings(),
@@ -89,7 +84,7 @@ class ChatService:
             "created": turn.created,
             "model": turn.core.model_name,
             "choices": [respond.choice(turn, c) for c in choices],
-            "usage": _usage(turn),
+            "usage": usage_of(turn),
             "system_fingerprint": None,
         }
 
@@ -126,74 +121,47 @@ def _tool_calls(c: Choice) -> list[dict[str, Any]]:
     ]
 
 
-def _usage(turn: Turn) -> dict[str, int]:
-    prompt, completion = turn.prompt_tokens, turn.completion_tokens
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def _chunk(turn: Turn, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-    return sse_chunk(
-        "chat.completion.chunk",
-        id=turn.id,
-        created=turn.created,
-        model=turn.core.model_name,
-        choices=choices,
-        usage=usage,
-    )
-
-
 def _delta(
     index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
-) -> Any:
+) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
-async def _stream(turn: Turn, body: ChatCompletionRequest) -> AsyncIterator[str]:
-    try:
-        for run in turn.runs:
-            yield _chunk(turn, [_delta(run.index, {"role": "assistant", "content": ""})])
-        try:
-            async for d in turn.deltas():
-                r = d.run
-                logprobs = None
-                if body.logprobs and d.hi > d.lo:
-                    entries = chat_logprobs(
-                        turn.core.pieces,
-                        r.ids[d.lo : d.hi],
-                        r.logprobs[d.lo : d.hi],
-                        r.top_logprobs[d.lo : d.hi],
-                    )
-                    logprobs = {"content": entries}
-                delta: dict[str, Any] = {}
-                if d.reasoning:
-                    delta["reasoning_content"] = d.reasoning
-                if d.text:
-                    delta["content"] = d.text
-                if delta or logprobs is not None:
-                    yield _chunk(turn, [_delta(r.index, delta, logprobs)])
-        except Exception as exc:
-            # The engine (or the store) failed after the stream began: record what was
-            # generated, aborted, then say so in the stream and end it cleanly.
-            await turn.close()
-            yield sse_error(exc)
-            yield "data: [DONE]\n\n"
-            return
-        for c in turn.choices:
-            tail: dict[str, Any] = {}
-            if thought := turn.unsent_reasoning(c):
-                tail["reasoning_content"] = thought
-            if c.tool_calls:
-                tail["tool_calls"] = [{"index": k, **t} for k, t in enumerate(_tool_calls(c))]
-            elif rest := turn.unsent(c):
-                tail["content"] = rest
-            yield _chunk(turn, [_delta(c.index, tail, None, c.finish_reason)])
-        opts = body.stream_options
-        if opts is not None and opts.include_usage:
-            yield _chunk(turn, [], usage=_usage(turn))
-        yield "data: [DONE]\n\n"
-    finally:
-        await turn.close()
+def _stream(turn: Turn, body: ChatCompletionRequest) -> AsyncIterator[str]:
+    def delta(d: Delta) -> dict[str, Any] | None:
+        r = d.run
+        logprobs = None
+        if body.logprobs and d.hi > d.lo:
+            entries = chat_logprobs(
+                turn.core.pieces,
+                r.ids[d.lo : d.hi],
+                r.logprobs[d.lo : d.hi],
+                r.top_logprobs[d.lo : d.hi],
+            )
+            logprobs = {"content": entries}
+        out: dict[str, Any] = {}
+        if d.reasoning:
+            out["reasoning_content"] = d.reasoning
+        if d.text:
+            out["content"] = d.text
+        return _delta(r.index, out, logprobs) if out or logprobs is not None else None
+
+    def closing(c: Choice) -> dict[str, Any]:
+        tail: dict[str, Any] = {}
+        if thought := turn.unsent_reasoning(c):
+            tail["reasoning_content"] = thought
+        if c.tool_calls:
+            tail["tool_calls"] = [{"index": k, **t} for k, t in enumerate(_tool_calls(c))]
+        elif rest := turn.unsent(c):
+            tail["content"] = rest
+        return _delta(c.index, tail, None, c.finish_reason)
+
+    opts = body.stream_options
+    return sse_stream(
+        turn,
+        "chat.completion.chunk",
+        opening=[_delta(r.index, {"role": "assistant", "content": ""}) for r in turn.runs],
+        delta=delta,
+        closing=closing,
+        include_usage=opts is not None and opts.include_usage,
+    )

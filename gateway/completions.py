@@ -14,11 +14,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gateway.chat_render import ChatRenderer
-from gateway.choices import EventStream, completion_logprobs, sse_chunk, sse_error
+from gateway.choices import EventStream, completion_logprobs
 from gateway.errors import BadRequest
+from gateway.openai_sse import sse_stream, usage_of
 from gateway.openai_types import CompletionRequest
-from gateway.sampling import Asked
-from gateway.turn import Choice, Prompt, TokenPrompt, Turn, TurnCore, TurnSpec
+from gateway.turn import TurnCore
+from gateway.turn_run import Turn
+from gateway.turn_types import Choice, Prompt, TokenPrompt, TurnSpec
 from store.run_config import RunConfig
 from store.types import JSON
 
@@ -57,17 +59,7 @@ class CompletionService:
             protocol="completions",
             id_prefix="cmpl-",
             prompts=prompts,
-            asked=Asked(
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                min_tokens=body.min_tokens,
-                seed=body.seed,
-                stop_token_ids=tuple(body.stop_token_ids or ()),
-                ignore_eos=body.ignore_eos,
-                max_new_tokens=body.max_tokens,
-                top_logprobs=body.logprobs or 0,
-            ),
+            asked=body.asked(body.max_tokens, body.logprobs or 0),
             n=body.n,
             stop=body.stop_strings(),
             stream=body.stream,
@@ -84,7 +76,7 @@ class CompletionService:
             "created": turn.created,
             "model": turn.core.model_name,
             "choices": [respond.choice(turn, c) for c in choices],
-            "usage": _usage(turn),
+            "usage": usage_of(turn),
         }
 
 
@@ -106,46 +98,17 @@ class _Respond:
         }
 
 
-def _usage(turn: Turn) -> dict[str, int]:
-    prompt, completion = turn.prompt_tokens, turn.completion_tokens
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def _chunk(turn: Turn, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-    return sse_chunk(
-        "text_completion",
-        id=turn.id,
-        created=turn.created,
-        model=turn.core.model_name,
-        choices=choices,
-        usage=usage,
-    )
-
-
 def _text(index: int, text: str, finish: str | None = None) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
 
-async def _stream(turn: Turn, body: CompletionRequest) -> AsyncIterator[str]:
-    try:
-        try:
-            async for d in turn.deltas():
-                if d.text:
-                    yield _chunk(turn, [_text(d.run.index, d.text)])
-        except Exception as exc:  # failed after the stream began (`gateway.turn`)
-            await turn.close()
-            yield sse_error(exc)
-            yield "data: [DONE]\n\n"
-            return
-        for c in turn.choices:
-            yield _chunk(turn, [_text(c.index, turn.unsent(c), c.finish_reason)])
-        opts = body.stream_options
-        if opts is not None and opts.include_usage:
-            yield _chunk(turn, [], usage=_usage(turn))
-        yield "data: [DONE]\n\n"
-    finally:
-        await turn.close()
+def _stream(turn: Turn, body: CompletionRequest) -> AsyncIterator[str]:
+    opts = body.stream_options
+    return sse_stream(
+        turn,
+        "text_completion",
+        opening=[],
+        delta=lambda d: _text(d.run.index, d.text) if d.text else None,
+        closing=lambda c: _text(c.index, turn.unsent(c), c.finish_reason),
+        include_usage=opts is not None and opts.include_usage,
+    )

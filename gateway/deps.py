@@ -27,7 +27,8 @@ from gateway.responses import ResponsesService
 from gateway.run_configs import RunConfigs
 from gateway.segments import SegmentTracker
 from gateway.settings import GatewaySettings
-from gateway.turn import Parsers, TurnCore
+from gateway.turn import TurnCore
+from gateway.turn_types import Parsers
 from store import Store
 
 RunConfigCheck = Callable[[dict[str, Any]], None]

@@ -16,7 +16,7 @@ from typing import Any
 
 from gateway.chat_render import Message
 from gateway.responses_types import input_messages
-from gateway.turn import RECORD_KEY
+from gateway.turn_types import RECORD_KEY
 from store import Store
 from store.types import JSON, KeptTurn, TurnStatus
 

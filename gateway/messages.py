@@ -28,14 +28,9 @@ from gateway.messages_types import (
 )
 from gateway.responses_types import seal_reasoning
 from gateway.sampling import Asked
-from gateway.turn import (
-    ChatPrompt,
-    Choice,
-    Turn,
-    TurnCore,
-    TurnSpec,
-    parse_arguments,
-)
+from gateway.turn import TurnCore
+from gateway.turn_run import Turn
+from gateway.turn_types import ChatPrompt, Choice, TurnSpec, parse_arguments
 from store.run_config import RunConfig
 from store.types import JSON
 

@@ -1,5 +1,5 @@
 """Anthropic Messages' request schemas (`POST /v1/messages`, `/v1/messages/count_tokens`), and
-their content blocks as neutral messages (`gateway.turn.ChatPrompt`).
+their content blocks as neutral messages (`gateway.turn_types.ChatPrompt`).
 
 Blocks become the same normalized messages chat completions records
 (`gateway.chat_render.normalize_messages`): an assistant message's `text` blocks are its content
@@ -26,7 +26,7 @@ from gateway.chat_render import Message, Tools, function_tool
 from gateway.errors import BadRequest
 from gateway.limits import CheckedBody
 from gateway.openai_types import Int, Num, TokenCount
-from gateway.turn import ToolChoice, ToolMode
+from gateway.turn_types import ToolChoice, ToolMode
 
 CALL_PREFIX, TOOLU_PREFIX = "call_", "toolu_"
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, model_val
 from engines.base import MAX_TOP_LOGPROBS
 from gateway.errors import BadRequest, invalid_input
 from gateway.limits import MAX_GENERATIONS, MAX_INT32, CheckedBody
+from gateway.sampling import Asked
 
 Int = Annotated[int, Strict()]
 """An integer, not a boolean, float or string."""
@@ -101,6 +102,20 @@ class _Sampling(_Open, CheckedBody):
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
+
+    def asked(self, max_new_tokens: int | None, top_logprobs: int) -> Asked:
+        """The sampling this request asks for (`gateway.sampling`)."""
+        return Asked(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_tokens=self.min_tokens,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            max_new_tokens=max_new_tokens,
+            top_logprobs=top_logprobs,
+        )
 
 
 class ChatCompletionRequest(_Sampling):

@@ -32,7 +32,9 @@ from gateway.responses_types import (
     tools_of,
 )
 from gateway.sampling import Asked
-from gateway.turn import ChatPrompt, Choice, Turn, TurnCore, TurnSpec
+from gateway.turn import TurnCore
+from gateway.turn_run import Turn
+from gateway.turn_types import ChatPrompt, Choice, TurnSpec
 from store.run_config import RunConfig
 from store.types import JSON
 
@@ -117,7 +119,7 @@ class ResponsesService:
         self.kept.keep(
             KeptResponse(
                 id=turn.id,
-                session_id=session_id if turn.core.recorder is not None else None,
+                session_id=session_id,
                 conversation=conversation_of(
                     [] if prior is None else prior.conversation,
                     frozenset() if prior is None else prior.open_calls,

@@ -1,5 +1,5 @@
 """The Responses API's request schema (`POST /v1/responses`), and its input items as neutral
-messages (`gateway.turn.ChatPrompt`).
+messages (`gateway.turn_types.ChatPrompt`).
 
 Input items become the same normalized messages chat completions records
 (`gateway.chat_render.normalize_messages`): messages by role (developer as system), an assistant
@@ -27,7 +27,7 @@ from gateway.chat_render import Message, Tools, function_tool
 from gateway.errors import BadRequest
 from gateway.limits import CheckedBody
 from gateway.openai_types import Int, Num, TokenCount
-from gateway.turn import ToolChoice, ToolMode
+from gateway.turn_types import ToolChoice, ToolMode
 
 
 class _Open(BaseModel):

@@ -1,4 +1,5 @@
-"""Integration fixtures shared across modules: one vLLM server per test session.
+"""Integration fixtures shared across modules: real `rlgateway serve` processes on the scripted
+and the tiny model (one per module that asks), and one vLLM server per test session.
 
 vLLM takes over a minute and ~3 GB to start on CPU, so every module that needs it shares this
 one (serving the tiny test model as "tiny", float32, with the dev-mode endpoints). A module that
@@ -15,9 +16,30 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.integration.gateway_server import GatewayHandle, serve
 from tests.integration.vllm_server import vllm_python
 
 _T = TypeVar("_T")
+
+
+@pytest.fixture(scope="session")
+def scripted_dir() -> Path:
+    """The scripted model (greedy decoding calls the `add` tool, then answers)."""
+    from tests.support.scripted_model import scripted_model_dir
+
+    return scripted_model_dir()
+
+
+@pytest.fixture(scope="module")
+def scripted_gw(
+    scripted_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayHandle]:
+    yield from serve(scripted_dir, tmp_path_factory, "gw-scripted")
+
+
+@pytest.fixture(scope="module")
+def tiny_gw(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayHandle]:
+    yield from serve(tiny_model, tmp_path_factory, "gw-tiny")
 
 
 class LoopThread:

@@ -155,6 +155,17 @@ def run_gateway(
         _stop(proc)
 
 
+def serve(
+    model_dir: Path, factory: Any, name: str, extra_args: Sequence[str] = ()
+) -> Iterator[GatewayHandle]:
+    """`rlgateway serve` on `model_dir` for a module fixture (`factory`: pytest's
+    tmp_path_factory), checked at the end: no request ended in an unhandled server error."""
+    with run_gateway(model_dir, factory.mktemp(name), extra_args=extra_args) as gw:
+        yield gw
+        log = gw.log_path.read_text(errors="replace")
+        assert "Traceback" not in log, log[-4000:]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -22,9 +22,8 @@ import openai
 import pytest
 from anthropic.types import Message, TextBlock, ToolUseBlock
 
-from tests.integration.gateway_server import GatewayHandle, run_gateway
+from tests.integration.gateway_server import GatewayHandle, serve
 from tests.support.recording import (
-    assert_clean_log,
     check_segment,
     check_teacher_forced,
     only_segment,
@@ -54,31 +53,6 @@ RAW_EVENTS = {"message_start", "message_delta", "message_stop"} | {
 
 
 @pytest.fixture(scope="module")
-def scripted_dir() -> Path:
-    from tests.support.scripted_model import scripted_model_dir
-
-    return scripted_model_dir()
-
-
-def _serve(model_dir: Path, factory: pytest.TempPathFactory, name: str) -> Iterator[GatewayHandle]:
-    with run_gateway(model_dir, factory.mktemp(name)) as gw:
-        yield gw
-        assert_clean_log(gw)
-
-
-@pytest.fixture(scope="module")
-def scripted_gw(
-    scripted_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayHandle]:
-    yield from _serve(scripted_dir, tmp_path_factory, "gw-scripted")
-
-
-@pytest.fixture(scope="module")
-def tiny_gw(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayHandle]:
-    yield from _serve(tiny_model, tmp_path_factory, "gw-tiny")
-
-
-@pytest.fixture(scope="module")
 def long_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engines.tiny_model import build_tiny_model
 
@@ -87,7 +61,7 @@ def long_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def long_gw(long_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayHandle]:
-    yield from _serve(long_dir, tmp_path_factory, "gw-long")
+    yield from serve(long_dir, tmp_path_factory, "gw-long")
 
 
 # -- helpers ----------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from tests.integration.gateway_server import GatewayHandle, run_gateway
+from tests.integration.gateway_server import GatewayHandle
 from tests.support.recording import (
-    assert_clean_log,
     check_segment,
     check_teacher_forced,
     only_segment,
@@ -37,29 +35,6 @@ TINY_CONTEXT = 2048
 
 
 # -- fixtures ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def scripted_dir() -> Path:
-    from tests.support.scripted_model import scripted_model_dir
-
-    return scripted_model_dir()
-
-
-@pytest.fixture(scope="module")
-def scripted_gw(
-    scripted_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayHandle]:
-    with run_gateway(scripted_dir, tmp_path_factory.mktemp("gw-scripted")) as gw:
-        yield gw
-        assert_clean_log(gw)
-
-
-@pytest.fixture(scope="module")
-def tiny_gw(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayHandle]:
-    with run_gateway(tiny_model, tmp_path_factory.mktemp("gw-tiny")) as gw:
-        yield gw
-        assert_clean_log(gw)
 
 
 # -- helpers ----------------------------------------------------------------------------------

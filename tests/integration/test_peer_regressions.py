@@ -15,34 +15,19 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from tests.integration.gateway_server import GatewayHandle, run_gateway
-from tests.support.recording import assert_clean_log, check_segment, only_segment, tokenizer_of
+from tests.integration.gateway_server import GatewayHandle
+from tests.support.recording import check_segment, only_segment, tokenizer_of
 from tests.support.scripted_model import CALL, QUESTIONS, TOOLS
 
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": QUESTIONS[0]}]
-
-
-@pytest.fixture(scope="module")
-def scripted_dir() -> Path:
-    from tests.support.scripted_model import scripted_model_dir
-
-    return scripted_model_dir()
-
-
-@pytest.fixture(scope="module")
-def gw(scripted_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayHandle]:
-    with run_gateway(scripted_dir, tmp_path_factory.mktemp("gw-peers")) as gw:
-        yield gw
-        assert_clean_log(gw)
 
 
 def client_of(s: dict[str, Any]) -> openai.OpenAI:
@@ -65,8 +50,8 @@ def first_prompt(gw: GatewayHandle, s: dict[str, Any], turn: int = 0) -> list[in
     return tokens
 
 
-def test_streamed_tool_calls_lose_no_tokens_and_keep_their_id(gw: GatewayHandle) -> None:
-    s = gw.new_session()
+def test_streamed_tool_calls_lose_no_tokens_and_keep_their_id(scripted_gw: GatewayHandle) -> None:
+    s = scripted_gw.new_session()
     with client_of(s) as client:
         chunks = list(
             client.chat.completions.create(
@@ -92,7 +77,7 @@ def test_streamed_tool_calls_lose_no_tokens_and_keep_their_id(gw: GatewayHandle)
     assert calls[0].function.name == "add"
     assert json.loads(calls[0].function.arguments or "") == CALL["arguments"]
     # every sampled token reached the client (its logprob) though the call's text was held back
-    seg = only_segment(gw.session(s["id"]))
+    seg = only_segment(scripted_gw.session(s["id"]))
     [(start, end)] = seg["turn_spans"]
     assert len(logprobs) == end - start
     assert [e.logprob for e in logprobs] == pytest.approx(seg["logprobs"][start:end], abs=1e-6)
@@ -100,9 +85,9 @@ def test_streamed_tool_calls_lose_no_tokens_and_keep_their_id(gw: GatewayHandle)
 
 @pytest.mark.parametrize("form", ["string", "object"])
 def test_tool_call_arguments_as_a_string_or_an_object_render_the_same(
-    gw: GatewayHandle, scripted_dir: Path, form: str
+    scripted_gw: GatewayHandle, scripted_dir: Path, form: str
 ) -> None:
-    s = gw.new_session()
+    s = scripted_gw.new_session()
     with client_of(s) as client:
         r = client.chat.completions.create(
             model="m",
@@ -130,17 +115,17 @@ def test_tool_call_arguments_as_a_string_or_an_object_render_the_same(
         },
         tool,
     ]
-    assert first_prompt(gw, s, turn=1) == template_prompt(scripted_dir, history)
+    assert first_prompt(scripted_gw, s, turn=1) == template_prompt(scripted_dir, history)
 
 
 @pytest.mark.parametrize("strict", [None, True, False])
 def test_a_tool_schema_renders_the_same_with_or_without_strict(
-    gw: GatewayHandle, scripted_dir: Path, strict: bool | None
+    scripted_gw: GatewayHandle, scripted_dir: Path, strict: bool | None
 ) -> None:
     tools = copy.deepcopy(TOOLS)
     if strict is not None:
         tools[0]["function"]["strict"] = strict
-    s = gw.new_session()
+    s = scripted_gw.new_session()
     with client_of(s) as client:
         client.chat.completions.create(
             model="m",
@@ -148,4 +133,4 @@ def test_a_tool_schema_renders_the_same_with_or_without_strict(
             tools=tools,
             temperature=0,  # type: ignore[arg-type]
         )
-    assert first_prompt(gw, s) == template_prompt(scripted_dir, QUESTION)
+    assert first_prompt(scripted_gw, s) == template_prompt(scripted_dir, QUESTION)

@@ -17,8 +17,8 @@ import anthropic
 import openai
 import pytest
 
-from tests.integration.gateway_server import GatewayHandle, run_gateway
-from tests.support.recording import assert_clean_log, check_segment, only_segment, tokenizer_of
+from tests.integration.gateway_server import GatewayHandle, serve
+from tests.support.recording import check_segment, only_segment, tokenizer_of
 from tests.support.scripted_model import ANSWER, THOUGHT, TOOLS
 
 pytestmark = pytest.mark.slow
@@ -39,10 +39,7 @@ def thinking_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def gw(thinking_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayHandle]:
-    args = ["--reasoning-parser", "think"]
-    with run_gateway(thinking_dir, tmp_path_factory.mktemp("gw-think"), extra_args=args) as gw:
-        yield gw
-        assert_clean_log(gw)
+    yield from serve(thinking_dir, tmp_path_factory, "gw-think", ["--reasoning-parser", "think"])
 
 
 def openai_client(s: dict[str, Any]) -> openai.OpenAI:
@@ -52,6 +49,10 @@ def openai_client(s: dict[str, Any]) -> openai.OpenAI:
 def anthropic_client(s: dict[str, Any]) -> anthropic.Anthropic:
     base = s["base_url"].removesuffix("/v1")
     return anthropic.Anthropic(base_url=base, api_key=s["api_key"], max_retries=0)
+
+
+def ask_chat(client: openai.OpenAI, messages: list[Any]) -> Any:
+    return client.chat.completions.create(model="m", messages=messages, tools=TOOLS, **GREEDY)
 
 
 def check_thoughts_recorded(gw: GatewayHandle, thinking_dir: Path, s: dict[str, Any]) -> None:
@@ -68,12 +69,7 @@ def test_chat_completions_reasoning_content(gw: GatewayHandle, thinking_dir: Pat
     s = gw.new_session()
     question = [{"role": "user", "content": QUESTION}]
     with openai_client(s) as client:
-        r1 = client.chat.completions.create(
-            model="m",
-            messages=question,
-            tools=TOOLS,
-            **GREEDY,  # type: ignore[arg-type]
-        )
+        r1 = ask_chat(client, question)
         m1 = r1.choices[0].message
         assert m1.model_extra is not None
         assert m1.model_extra["reasoning_content"] == THOUGHT
@@ -190,12 +186,7 @@ def test_a_history_without_the_reasoning_still_continues_the_segment(
     s = gw.new_session()
     question = [{"role": "user", "content": QUESTION}]
     with openai_client(s) as client:
-        r1 = client.chat.completions.create(
-            model="m",
-            messages=question,
-            tools=TOOLS,
-            **GREEDY,  # type: ignore[arg-type]
-        )
+        r1 = ask_chat(client, question)
         m1 = r1.choices[0].message
         assert m1.tool_calls is not None
         echoed = {"role": "assistant", "content": None, "tool_calls": m1.model_dump()["tool_calls"]}

@@ -9,7 +9,6 @@ rendering, the behaviour logprobs the model's own (teacher forcing).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.gateway_server import GatewayHandle, run_gateway
+from tests.integration.gateway_server import GatewayHandle
 from tests.support.recording import (
-    assert_clean_log,
     check_segment,
     check_teacher_forced,
     only_segment,
@@ -31,29 +29,6 @@ pytestmark = pytest.mark.slow
 
 ADD = {"type": "function", "name": "add", "parameters": TOOLS[0]["function"]["parameters"]}
 QUESTION = "What is 2 plus 3?"
-
-
-@pytest.fixture(scope="module")
-def scripted_dir() -> Path:
-    from tests.support.scripted_model import scripted_model_dir
-
-    return scripted_model_dir()
-
-
-@pytest.fixture(scope="module")
-def scripted_gw(
-    scripted_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayHandle]:
-    with run_gateway(scripted_dir, tmp_path_factory.mktemp("gw-resp-scripted")) as gw:
-        yield gw
-        assert_clean_log(gw)
-
-
-@pytest.fixture(scope="module")
-def tiny_gw(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayHandle]:
-    with run_gateway(tiny_model, tmp_path_factory.mktemp("gw-resp-tiny")) as gw:
-        yield gw
-        assert_clean_log(gw)
 
 
 def client_of(session: dict[str, Any]) -> openai.OpenAI:

@@ -1,0 +1,288 @@
+"""One turn in flight (`Turn`): its choices' runs, their commit, and their neutral results, whole
+or as deltas while they stream. `gateway.turn.TurnCore` starts it; the adapters read it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from engines.base import SamplingParams
+from gateway.choices import ChoiceRun, RunGroup
+from gateway.reasoning_parsers import Split
+from gateway.recorder import ChoiceOutcome
+from gateway.sampling import record_of
+from gateway.segments import chat_transcript
+from gateway.turn_types import (
+    COMPLETION_TRANSCRIPT,
+    RECORD_KEY,
+    ChatPrompt,
+    Choice,
+    Delta,
+    Group,
+    Prompt,
+    TokenPrompt,
+    ToolCall,
+    TurnSpec,
+    parse_arguments,
+)
+from store.run_config import ClientSampling
+from store.types import JSON, TurnStatus
+
+if TYPE_CHECKING:
+    from gateway.turn import TurnCore
+
+
+class Turn:
+    """One request in flight: its choices' runs, their commit, and their neutral results."""
+
+    def __init__(
+        self,
+        core: TurnCore,
+        spec: TurnSpec,
+        groups: list[Group],
+        sampling: SamplingParams,
+        contract: ClientSampling,
+        respond: Callable[[Turn, Choice], JSON],
+    ) -> None:
+        self.core = core
+        self.spec = spec
+        self.groups = groups
+        self.sampling = sampling
+        self.contract = contract
+        self.respond = respond
+        self.id = f"{spec.id_prefix}{uuid.uuid4().hex[:29]}"
+        self.created = int(time.time())
+        self.runs = [r for g in groups for r in g.runs]
+        self.group = RunGroup(self.runs)
+        self.committed = False
+        self.shown = [len(_continues(self._group_of(r))) for r in self.runs]
+        """How much of each choice's visible text was streamed."""
+        self.thought = [0] * len(self.runs)
+        """How much of each choice's reasoning was streamed."""
+        self._choices: list[Choice] | None = None
+        self._call_ids: dict[int, list[str]] = {}
+
+    # -- results -----------------------------------------------------------------------------
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(g.ids) for g in self.groups)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(r.ids) for r in self.runs)
+
+    def completion_id(self, i: int) -> str:
+        return self.id if len(self.runs) == 1 else f"{self.id}-{i}"
+
+    def _group_of(self, run: ChoiceRun) -> Group:
+        return self.groups[run.index // self.spec.n]
+
+    def full_text(self, run: ChoiceRun) -> str:
+        return self._group_of(run).prefill + run.decoder.text
+
+    def _split(self, group: Group, text: str) -> Split:
+        reasoning = self.core.parsers.reasoning
+        if reasoning is None or not isinstance(group.prompt, ChatPrompt):
+            return Split(None, text, True)
+        return reasoning.split(text, opened=group.opened)
+
+    def _visible(self, run: ChoiceRun) -> Split:
+        """What may be shown now: the reasoning so far, and the answer's text once the reasoning
+        has ended, never tool-call markup (nor the whitespace before it), never what may still
+        become a stop string or a marker."""
+        group = self._group_of(run)
+        split = self._split(group, group.prefill + run.decoder.safe_text())
+        text = split.answer if split.done else ""
+        if group.parses_tools:
+            cut = [at for m in self.core.parsers.tools.markers if (at := text.find(m)) >= 0]
+            text = (text[: min(cut)] if cut else text).rstrip()
+        return Split(split.reasoning, text, split.done)
+
+    def _choice(self, run: ChoiceRun) -> Choice:
+        group = self._group_of(run)
+        text = self.full_text(run)
+        split = self._split(group, text)
+        finish = run.finish_reason or "abort"
+        content: str | None = split.answer if split.reasoning is None else split.answer or None
+        calls: tuple[ToolCall, ...] = ()
+        if group.parses_tools:
+            content, parsed = self.core.parsers.tools.parse(split.answer)
+            ids = self._call_ids.setdefault(run.index, [])
+            while len(ids) < len(parsed):
+                ids.append(f"call_{uuid.uuid4().hex[:24]}")
+            calls = tuple(
+                ToolCall(i, c.name, c.arguments) for i, c in zip(ids, parsed, strict=False)
+            )
+            if calls and finish == "stop":
+                finish = "tool_calls"
+        return Choice(
+            index=run.index,
+            completion_id=self.completion_id(run.index),
+            run=run,
+            text=text,
+            reasoning=split.reasoning,
+            content=content,
+            tool_calls=calls,
+            finish_reason=finish,
+            # the client's own stop strings; a call's end (one call only) is none of them
+            stop_string=run.decoder.matched if run.decoder.matched in self.spec.stop else None,
+            continued=_continues(group),
+        )
+
+    @property
+    def choices(self) -> list[Choice]:
+        """Every choice as it stands (final once the turn has ended)."""
+        if self._choices is not None:
+            return self._choices
+        return [self._choice(r) for r in self.runs]
+
+    def _finish(self, aborted: bool) -> list[Choice]:
+        if self._choices is None:
+            if aborted:
+                for r in self.runs:
+                    r.mark_aborted()
+            self._choices = [self._choice(r) for r in self.runs]
+        return self._choices
+
+    # -- recording ---------------------------------------------------------------------------
+
+    def _transcript(self, prompt: Prompt, choice: Choice) -> JSON:
+        if isinstance(prompt, TokenPrompt):
+            return dict(COMPLETION_TRANSCRIPT)
+        reply: dict[str, Any] = {"role": "assistant", "content": choice.content or ""}
+        if choice.reasoning:
+            reply["reasoning_content"] = choice.reasoning
+        if choice.tool_calls:
+            reply["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": parse_arguments(c.arguments)},
+                }
+                for c in choice.tool_calls
+            ]
+        return chat_transcript([*prompt.messages, reply], prompt.tools)
+
+    async def _commit(self, aborted: bool) -> None:
+        recorder = self.core.recorder
+        if recorder is None or self.committed:
+            return
+        self.committed = True
+        choices = self._finish(aborted)
+        sampling = record_of(self.sampling, self.contract) | self.spec.sampling_extra
+        for g in self.groups:
+            if g.plan is None:
+                continue
+            if aborted and not any(r.ids for r in g.runs):
+                recorder.release(g.plan)
+                continue
+            request = self.spec.request | {
+                RECORD_KEY: {"protocol": self.spec.protocol, "prefill": g.prefill}
+            }
+            outcomes = []
+            for r in g.runs:
+                choice = choices[r.index]
+                outcomes.append(
+                    ChoiceOutcome(
+                        completion_id=choice.completion_id,
+                        transcript=self._transcript(g.prompt, choice),
+                        output_ids=list(r.ids),
+                        logprobs=list(r.logprobs),
+                        versions=list(r.versions),
+                        finish_reason=choice.finish_reason,
+                        status=TurnStatus.ABORTED if aborted else TurnStatus.OK,
+                        response=self.respond(self, choice),
+                        latency_ms=r.latency_ms,
+                        ttft_ms=r.ttft_ms,
+                    )
+                )
+            await recorder.commit(g.plan, outcomes, sampling, request)
+
+    def _release(self) -> None:
+        if not self.committed:
+            self.committed = True
+            self.core.release(self.groups)
+
+    # -- whole ---------------------------------------------------------------------------------
+
+    async def complete(self) -> list[Choice]:
+        """Run every choice to its end, commit, and return the choices."""
+        try:
+            await self.group.wait()
+        except BaseException as exc:
+            self.group.cancel()
+            # Cancelled (its client went away): record what was generated, aborted. Failed: the
+            # client gets the error, and nothing is recorded.
+            with anyio.CancelScope(shield=True):
+                await self.group.settle()
+                if isinstance(exc, Exception):
+                    self._release()
+                else:
+                    await self._commit(aborted=True)
+            raise
+        await self._commit(aborted=False)
+        return self._finish(aborted=False)
+
+    # -- streaming ---------------------------------------------------------------------------
+
+    async def start_stream(self) -> None:
+        """Start generating and return once a choice has produced its first piece, so that a
+        failure before it reaches the client as an HTTP error rather than a broken stream."""
+        try:
+            await self.group.start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Each choice's progress as it happens; when every choice has ended, the turn is
+        committed and the iteration ends (`choices` then holds the final ones). A failure (of
+        the engine or the commit) is raised: the adapter then calls `close` and ends its stream
+        with an error event."""
+        sent_tokens = [0] * len(self.runs)
+        async for run in self.group.progress():
+            i = run.index
+            shown = self._visible(run)
+            new = _more(shown.answer, self.shown, i)
+            thought = _more(shown.reasoning or "", self.thought, i)
+            lo, hi = sent_tokens[i], len(run.ids)
+            sent_tokens[i] = hi
+            if new or thought or hi > lo:
+                yield Delta(run, new, thought, lo, hi)
+        await self._commit(aborted=False)
+        self._finish(aborted=False)
+
+    def unsent(self, choice: Choice) -> str:
+        """The part of a finished choice's content not yet streamed."""
+        return (choice.content or "")[self.shown[choice.index] :]
+
+    def unsent_reasoning(self, choice: Choice) -> str:
+        """The part of a finished choice's reasoning not yet streamed."""
+        return (choice.reasoning or "")[self.thought[choice.index] :]
+
+    async def close(self) -> None:
+        """Stop generating; record the turn, aborted, unless it was committed (idempotent)."""
+        self.group.cancel()
+        # The server cancels a response whose client left through an anyio cancel scope, which
+        # would cancel these awaits too: shield them, the turn must be recorded.
+        with anyio.CancelScope(shield=True):
+            await self.group.settle()
+            if not self.committed:
+                await self._commit(aborted=True)
+
+
+def _continues(group: Group) -> str:
+    return group.prompt.continues if isinstance(group.prompt, ChatPrompt) else ""
+
+
+def _more(text: str, sent: list[int], i: int) -> str:
+    """What `text` adds to the `sent[i]` characters already sent (and count it sent)."""
+    if len(text) <= sent[i]:
+        return ""
+    new, sent[i] = text[sent[i] :], len(text)
+    return new
