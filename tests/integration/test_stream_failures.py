@@ -1,7 +1,8 @@
 """Streams fail as streams: an engine that fails before the first token gets the client an HTTP
-error (OpenAI-shaped JSON, not 200 and a cut connection); one that fails after it ends the stream
-with an SSE error event and `[DONE]`, and the turn is recorded aborted with what was generated,
-never trained. In-process, on a fake engine that fails on cue."""
+error (OpenAI-shaped JSON, Anthropic-shaped on Messages; not 200 and a cut connection); one that
+fails after it ends the stream with its protocol's error event (an SSE error event and `[DONE]`,
+`response.failed`, Anthropic's `error`), and the turn is recorded aborted with what was
+generated, never trained. In-process, on a fake engine that fails on cue."""
 
 from __future__ import annotations
 
@@ -197,3 +198,71 @@ async def test_the_sdk_raises_the_stream_error_event(fails_mid_stream: Gw) -> No
     with pytest.raises(openai.APIError, match="exited with code -9"):
         await read()
     assert "".join(seen) == "abc"
+
+
+NEW_ROUTES = {
+    "responses": {"model": "tiny", "input": "hello", "max_output_tokens": 20, "stream": True},
+    "messages": {"model": "tiny", "messages": USER, "max_tokens": 20, "stream": True},
+}
+
+
+@pytest.mark.parametrize("route", list(NEW_ROUTES))
+async def test_responses_and_messages_streams_whose_engine_is_down_are_503s(
+    down: Gw, route: str
+) -> None:
+    _, s = await down.session()
+    r = await down.http.post(
+        f"/sessions/{s['id']}/v1/{route}",
+        json=NEW_ROUTES[route],
+        headers={"Authorization": f"Bearer {s['api_key']}"},
+    )
+    assert r.status_code == 503, r.text
+    body = r.json()
+    if route == "messages":  # Anthropic's shape
+        assert body["type"] == "error"
+        assert body["error"]["type"] == "overloaded_error"
+    else:
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert "exited with code -9" in json.dumps(body)
+    assert (await down.detail(s))["segments"] == []
+
+
+def _sse(lines: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """(event name, data) of each server-sent event."""
+    out, name = [], ""
+    for line in lines:
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            out.append((name, json.loads(line.removeprefix("data: "))))
+    return out
+
+
+@pytest.mark.parametrize("route", list(NEW_ROUTES))
+async def test_responses_and_messages_streams_fail_mid_stream_with_their_error_event(
+    fails_mid_stream: Gw, route: str
+) -> None:
+    gw = fails_mid_stream
+    _, s = await gw.session()
+    headers = {"Authorization": f"Bearer {s['api_key']}"}
+    async with gw.http.stream(
+        "POST", f"/sessions/{s['id']}/v1/{route}", json=NEW_ROUTES[route], headers=headers
+    ) as r:
+        assert r.status_code == 200
+        events = _sse([line async for line in r.aiter_lines() if line])
+    name, last = events[-1]
+    if route == "responses":
+        assert name == "response.failed"
+        assert last["response"]["status"] == "failed"
+        assert "exited with code -9" in last["response"]["error"]["message"]
+        deltas = [d["delta"] for n, d in events if n == "response.output_text.delta"]
+    else:
+        assert name == "error"
+        assert last["error"]["type"] == "overloaded_error"
+        assert "exited with code -9" in last["error"]["message"]
+        deltas = [d["delta"]["text"] for n, d in events if n == "content_block_delta"]
+    assert "".join(deltas) == "abc"
+    detail = await gw.detail(s)
+    assert list(detail["finish_reasons"].values()) == ["abort"]
+    [(start, end)] = detail["segments"][0]["turn_spans"]
+    assert end - start == 3
