@@ -156,11 +156,16 @@ class ChatRenderer:
         prefill: str = "",
     ) -> list[int] | None:
         """The prompt that continues a segment whose transcript `messages` extends: the segment's
-        exact tokens, the end-of-turn glue, and the new messages rendered. None when the template
-        is not append-only for these messages (the caller then opens a new segment)."""
-        before = self.render(transcript, tools, add_generation_prompt=False)
-        full = self.render(messages, tools, add_generation_prompt=True)
-        if not full.startswith(before) or not before.endswith(self.assistant_tail):
+        exact tokens, the end-of-turn glue, and the new messages rendered. None when the new
+        messages' rendering cannot be told apart (the caller then opens a new segment).
+
+        The new messages are what the template writes after the segment's last turn. Where it is
+        append-only, that is the full rendering past the transcript's own. Where it re-renders
+        earlier turns once more messages follow (Qwen3 drops the reasoning of turns before the
+        last user message), it is what follows the end of that last turn in the full rendering;
+        the segment keeps its exact tokens either way, as they were sampled."""
+        suffix = self._new_suffix(transcript, messages, tools)
+        if suffix is None:
             return None
         glue = self.assistant_tail
         last = segment_tokens[-1] if segment_tokens else None
@@ -168,4 +173,29 @@ class ChatRenderer:
             eos_text = self.decode([last], skip_special_tokens=False)
             if glue.startswith(eos_text):
                 glue = glue[len(eos_text) :]
-        return segment_tokens + self.encode(glue + full[len(before) :] + prefill)
+        return segment_tokens + self.encode(glue + suffix + prefill)
+
+    def _new_suffix(
+        self, transcript: list[Message], messages: list[Message], tools: list[dict[str, Any]] | None
+    ) -> str | None:
+        """The rendering of `messages[len(transcript):]` and the generation prompt, as the
+        template writes them after the transcript's last turn (an assistant reply)."""
+        before = self.render(transcript, tools, add_generation_prompt=False)
+        full = self.render(messages, tools, add_generation_prompt=True)
+        if not before.endswith(self.assistant_tail):
+            return None
+        if full.startswith(before):
+            return full[len(before) :]
+        # Not append-only: find where the last turn ends in the full rendering, by its content
+        # replaced with a sentinel (the turn's own text may appear earlier too).
+        k = len(transcript) - 1
+        if not 0 <= k < len(messages) or messages[k].get("role") != "assistant":
+            return None
+        marked = [*messages[:k], {**messages[k], "content": _SENTINEL}, *messages[k + 1 :]]
+        marked[k].pop("reasoning_content", None)
+        text = self.render(marked, tools, add_generation_prompt=True)
+        at = text.find(_SENTINEL)
+        end = -1 if at < 0 else text.find(self.assistant_tail, at + len(_SENTINEL))
+        if end < 0 or text.count(_SENTINEL) != 1:
+            return None
+        return text[end + len(self.assistant_tail) :]

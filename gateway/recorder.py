@@ -94,8 +94,8 @@ class Recorder:
     ) -> Plan:
         """Reserve segments for `n` choices. `choose` picks the segment the request continues
         (most recent first), on the event loop; the prompt is then made in a worker thread, by
-        the match's `render` or, when nothing matched (or the template is not append-only there),
-        by `fresh_prompt`."""
+        the match's `render` or, when nothing matched (or the new messages' rendering cannot be
+        told apart from the old, `ChatRenderer.continuation`), by `fresh_prompt`."""
         state = await self.tracker.state(session_id)
         async with state.lock:
             match = choose([s for s in state.segments if s.transcript is not None])

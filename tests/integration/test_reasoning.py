@@ -4,11 +4,14 @@ the `add` call; after the tool result, the same thought, then "The sum is 5.").
 
 The reasoning comes out as `reasoning_content` (chat completions), a `reasoning` item (Responses)
 and a `thinking` block (Messages), streamed and not; it stays verbatim in the recorded tokens;
-and a client that sends it back (or drops it) continues the same segment.
+and a client that sends it back (or drops it) continues the same segment. Last, on the tiny
+model with a Qwen3-like template (one that re-renders earlier turns without their reasoning), a
+conversation over several user turns stays one segment.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,20 @@ def thinking_dir() -> Path:
 @pytest.fixture(scope="module")
 def gw(thinking_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayHandle]:
     yield from serve(thinking_dir, tmp_path_factory, "gw-think", ["--reasoning-parser", "think"])
+
+
+@pytest.fixture(scope="module")
+def qwen3_like_gw(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayHandle]:
+    """The tiny model with a template that re-renders earlier turns, as Qwen3's does
+    (`tests/support/qwen3_like.jinja`)."""
+    model = tmp_path_factory.mktemp("qwen3-like") / "model"
+    shutil.copytree(tiny_model, model)
+    shutil.copy(
+        Path(__file__).parents[1] / "support" / "qwen3_like.jinja", model / "chat_template.jinja"
+    )
+    yield from serve(model, tmp_path_factory, "gw-qwen3-like", ["--reasoning-parser", "think"])
 
 
 def openai_client(s: dict[str, Any]) -> openai.OpenAI:
@@ -199,3 +216,29 @@ def test_a_history_without_the_reasoning_still_continues_the_segment(
         )
     assert r2.choices[0].message.content == ANSWER
     check_thoughts_recorded(gw, thinking_dir, s)
+
+
+def test_a_template_that_rerenders_earlier_turns_keeps_a_conversation_one_segment(
+    qwen3_like_gw: GatewayHandle,
+) -> None:
+    """Qwen3's template drops an earlier turn's reasoning once a new user message follows, so
+    rendering is not append-only there: the conversation still continues its one segment, its
+    earlier turns' tokens exactly as sampled."""
+    gw = qwen3_like_gw
+    s = gw.new_session()
+    messages: list[dict[str, Any]] = []
+    with openai_client(s) as client:
+        for k, text in enumerate(["Hello.", "Go on.", "And then?"]):
+            messages.append({"role": "user", "content": text})
+            r = client.chat.completions.create(
+                model="m",
+                messages=messages,
+                max_tokens=8,
+                seed=k,  # type: ignore[arg-type]
+            )
+            messages.append(r.choices[0].message.model_dump(exclude_none=True))
+    detail = gw.session(s["id"])
+    assert detail["prefix_breaks"] == 0
+    seg = only_segment(detail)
+    check_segment(seg)
+    assert len(seg["completion_ids"]) == 3
