@@ -110,7 +110,9 @@ def test_a_step_longer_than_the_lease_keeps_its_claim(tiny_model: Path, tmp_path
     batch = 4
     run_id = record_trajectories(tiny_model, tmp_path, batch)
     db = tmp_path / "store.db"
-    lease = 1.0
+    # renewed every third of it: a 2 s lease leaves the event loop 1.3 s of slack between
+    # renewals (with 1 s, a loaded CI machine once stalled it past the lease)
+    lease = 2.0
     cfg = train_config(
         run_id,
         tmp_path,
