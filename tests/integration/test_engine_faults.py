@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -51,8 +52,15 @@ def chat(session: dict[str, Any], messages: list[dict[str, Any]], **kw: Any) -> 
     )
 
 
-def stream_events(session: dict[str, Any], messages: list[dict[str, Any]], **kw: Any) -> list[Any]:
-    """The `data:` payloads of a streamed chat request (JSON, or the string `[DONE]`)."""
+def stream_events(
+    session: dict[str, Any],
+    messages: list[dict[str, Any]],
+    started: threading.Event | None = None,
+    **kw: Any,
+) -> list[Any]:
+    """The `data:` payloads of a streamed chat request (JSON, or the string `[DONE]`); `started`
+    is set once the first payload has come."""
+    lines = []
     with httpx.stream(
         "POST",
         f"{session['base_url']}/chat/completions",
@@ -61,7 +69,11 @@ def stream_events(session: dict[str, Any], messages: list[dict[str, Any]], **kw:
         timeout=120,
     ) as stream:
         assert stream.status_code == 200
-        lines = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                if started is not None:
+                    started.set()
     return [x if x == "[DONE]" else json.loads(x) for x in lines]
 
 
@@ -115,7 +127,10 @@ def test_a_killed_engine_comes_back_by_itself_on_the_current_weights(
         with ThreadPoolExecutor(len(loaders) + 1) as pool:
             long = {"max_tokens": 2000, "ignore_eos": True}
             lost = [pool.submit(chat, session, [user("Go on.")], **long) for session in loaders]
-            cut = pool.submit(stream_events, streamer, [user("Go on.")], **long)
+            streaming = threading.Event()
+            cut = pool.submit(stream_events, streamer, [user("Go on.")], streaming, **long)
+            # the stream has sent its first token (before it, a failure is a plain 503)
+            assert streaming.wait(timeout=60)
             poll(gw, lambda r: r.json()["running"] == len(loaders) + 1, timeout=60)
             os.kill(killed, signal.SIGKILL)
             # the first 503 may say only that the process is gone: its exit code comes once
