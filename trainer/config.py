@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from store.run_config import RunConfig
-from trainer.backends.config import FSDPBackendConfig
+from trainer.backends.config import FSDPBackendConfig, check_implemented
+from trainer.parallel.strategy import parse_allocation
 
 
 class OptimConfig(BaseModel):
@@ -106,6 +107,12 @@ class TrainConfig(RunConfig):
     """The trajectory store the gateway records into."""
     model: str | None = None
     """The initial policy (a HF model directory); None means the tiny model."""
+    backend: str = "fsdp"
+    """The training backend and its parallel strategy, `BACKEND[:DIMS]`
+    (`trainer.parallel.strategy`): `fsdp`, the default, is FSDP2 data parallel over every rank
+    (one process, or as many as torchrun starts); `fsdp:d4` asks for exactly 4. Tensor, context,
+    pipeline and expert sizes (`t`, `c`, `p`, `e`) parse but are refused: no backend implements
+    them yet."""
     algorithm: str = "grpo"
     """A preset: ppo, grpo, dapo, rloo, gspo, dr_grpo, reinforce_pp."""
     algo: dict[str, Any] = Field(default_factory=dict)
@@ -147,6 +154,12 @@ class TrainConfig(RunConfig):
     """The value model of algorithms with a critic (ppo)."""
     publish: PublishConfig = Field(default_factory=lambda: PublishConfig())
     """How new weights reach the engines."""
+
+    @field_validator("backend")
+    @classmethod
+    def _allocation(cls, text: str) -> str:
+        """The allocation in canonical form, once it parses and its backend implements it."""
+        return str(check_implemented(parse_allocation(text)))
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -191,6 +204,7 @@ class TrainConfig(RunConfig):
             gradient_checkpointing=o.gradient_checkpointing,
             seed=o.seed,
             attention=o.attention,
+            allocation=parse_allocation(self.backend),
         )
 
     def critic_backend_config(self, model_dir: str) -> FSDPBackendConfig:

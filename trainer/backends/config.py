@@ -1,13 +1,45 @@
 """Typed settings of the training backends (pydantic; imports no torch, so configs load fast).
 
-A backend config is a union discriminated on `type`; today there is one variant.
+A backend config is a union discriminated on `type`; today there is one variant. Every backend
+trains with an `Allocation` (`trainer.parallel.strategy`): `IMPLEMENTED` says which backends exist
+and which parallel dimensions each implements, and `check_implemented` refuses the rest when the
+config loads, never ignoring a size it cannot honour.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainer.parallel.strategy import DIMENSIONS, Allocation
+
+IMPLEMENTED: dict[str, tuple[str, ...]] = {"fsdp": ("data",)}
+"""Backend -> the `ParallelStrategy` sizes it implements; a backend not here does not exist yet.
+FSDP2 is data parallel (its mesh is `dp` over every rank it is given)."""
+
+DATA_PARALLEL = Allocation(backend="fsdp")
+"""A bare `fsdp`: FSDP2 data parallel over every rank."""
+
+
+def check_implemented(allocation: Allocation) -> Allocation:
+    """`allocation` when its backend exists and implements every size above 1 that it asks for;
+    otherwise ValueError naming what is missing."""
+    text = str(allocation)
+    if allocation.backend not in IMPLEMENTED:
+        raise ValueError(
+            f"backend {allocation.backend!r} is not implemented yet ({text!r}); the trainer has: "
+            + ", ".join(IMPLEMENTED)
+        )
+    implemented = IMPLEMENTED[allocation.backend]
+    for letter, size in allocation.strategy.sizes().items():
+        name = DIMENSIONS[letter]
+        if size > 1 and name not in implemented:
+            raise ValueError(
+                f"{allocation.backend}: {name} parallel is not implemented yet "
+                f"({letter}{size} in {text!r})"
+            )
+    return allocation
 
 
 class FSDPBackendConfig(BaseModel):
@@ -40,6 +72,19 @@ class FSDPBackendConfig(BaseModel):
     attention: Literal["varlen", "sdpa", "eager", "flash_attention_2"] = "varlen"
     """Attention kernel of packed rows: varlen (per-sequence SDPA, `trainer.attention`), sdpa or
     eager (one block-diagonal mask over the whole row), or flash_attention_2 (GPU, if installed)."""
+
+    allocation: Allocation = DATA_PARALLEL
+    """The backend and its parallel strategy (a string such as `fsdp` or `fsdp:d4` validates into
+    one); FSDP implements data parallelism only."""
+
+    @field_validator("allocation")
+    @classmethod
+    def _fsdp_allocation(cls, allocation: Allocation) -> Allocation:
+        if allocation.backend != "fsdp":
+            raise ValueError(
+                f"the FSDP backend's allocation names {allocation.backend!r}: use fsdp"
+            )
+        return check_implemented(allocation)
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> FSDPBackendConfig:

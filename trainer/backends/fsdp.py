@@ -1,7 +1,10 @@
 """The FSDP2 training backend: a Hugging Face causal LM sharded with `fully_shard`.
 
 One process or many under `torchrun` (gloo on CPU, NCCL on CUDA). Without torchrun it forms a
-process group of one, so a single process runs the same sharded code path as many.
+process group of one, so a single process runs the same sharded code path as many. The backend
+takes an `Allocation` (`trainer.parallel.strategy`) and shards over the `dp` dimension of its mesh
+(`trainer.parallel.mesh`); FSDP implements data parallelism only (`trainer.backends.config`), so
+the mesh is the 1-D mesh over every rank.
 
 Data parallelism. Every rank is called with the full batch and takes its share: sequences sorted
 longest first (ties by index), rank r taking every W-th from r. Each rank packs its share into
@@ -39,11 +42,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer.backends.base import EntropyMode, LossFn
+from trainer.backends.config import DATA_PARALLEL, check_implemented
 from trainer.batch import (
     MicroBatch,
     TrainSequence,
@@ -53,6 +56,8 @@ from trainer.batch import (
     token_logprobs,
     unpack_token_values,
 )
+from trainer.parallel.mesh import build_mesh, data_mesh
+from trainer.parallel.strategy import Allocation
 from trainer.stats import merge_stats
 
 MixedPrecision = Literal["fp32", "bf16"]
@@ -136,6 +141,7 @@ class FSDPBackend:
         gradient_checkpointing: bool = False,
         seed: int = 0,
         attention: Attention = "varlen",
+        allocation: Allocation = DATA_PARALLEL,
     ) -> None:
         from transformers.utils import logging as hf_logging
 
@@ -146,11 +152,13 @@ class FSDPBackend:
         cuda = torch.cuda.is_available()
         if mixed_precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
             raise ValueError("this GPU has no bfloat16 support: use mixed_precision fp32")
+        check_implemented(allocation)
 
         device_type = "cuda" if cuda else "cpu"
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         self.rank, self.world_size = init_distributed(device_type)
+        self.strategy = allocation.for_world(self.world_size)
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         )
@@ -171,7 +179,8 @@ class FSDPBackend:
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
 
-        mesh = init_device_mesh(device_type, (self.world_size,))
+        self.mesh = build_mesh(self.strategy, device_type)
+        mesh = data_mesh(self.mesh)
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if mixed_precision == "bf16"

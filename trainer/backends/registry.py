@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from trainer.backends.base import TrainBackend, ValueBackend
 from trainer.backends.config import BackendConfig
@@ -18,10 +19,15 @@ VALUE_BACKEND_CLASSES: dict[str, Callable[..., ValueBackend]] = {"fsdp": FSDPVal
 
 def build_backend(config: BackendConfig) -> TrainBackend:
     """The backend that `config.type` names, constructed from the config's fields."""
-    return BACKEND_CLASSES[config.type](**config.model_dump(exclude={"type"}))
+    return BACKEND_CLASSES[config.type](**_arguments(config))
 
 
 def build_value_backend(config: BackendConfig) -> ValueBackend:
     """The critic that `config.type` names: the policy architecture with a scalar value head,
     initialised from `config.model_dir`."""
-    return VALUE_BACKEND_CLASSES[config.type](**config.model_dump(exclude={"type"}))
+    return VALUE_BACKEND_CLASSES[config.type](**_arguments(config))
+
+
+def _arguments(config: BackendConfig) -> dict[str, Any]:
+    """The config's fields (less `type`) as constructor arguments; nested models stay models."""
+    return {name: value for name, value in config if name != "type"}

@@ -1,0 +1,6 @@
+"""How a training backend lays its model over ranks: five parallel dimensions.
+
+`strategy.py` is the typed strategy and its one-line allocation form (`fsdp:d2t2`; pydantic, no
+torch, so a run config with a bad one fails at load), and the checks against a world size and a
+model; `mesh.py` builds the torch `DeviceMesh` of a strategy.
+"""
