@@ -10,10 +10,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from rlgateway.demo.warmstart import WarmStartConfig
 from rlgateway.errors import CLIError
 
 DEMO_LR = 2e-4
-WARM_START_STEPS = 60
+WARM_START_STEPS = WarmStartConfig().steps
 
 
 def _add_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
