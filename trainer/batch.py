@@ -268,7 +268,7 @@ def unpack_token_values(values_1T: torch.Tensor, mb: MicroBatch) -> list[list[fl
     return out
 
 
-def _per_position_temperature(
+def per_position_temperature(
     temperature: float | torch.Tensor, n: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """[n] temperatures from one number or a [1, n] row; raises unless all are positive."""
@@ -346,7 +346,7 @@ def token_logprobs(
     """
     b, t, v = logits_1TV.shape
     dtype = torch.promote_types(logits_1TV.dtype, torch.float32)
-    temp_T = _per_position_temperature(temperature, b * t, dtype, logits_1TV.device)
+    temp_T = per_position_temperature(temperature, b * t, dtype, logits_1TV.device)
     logp_T = _TokenLogprobs.apply(  # type: ignore[no-untyped-call]
         logits_1TV.reshape(b * t, v), targets_1T.reshape(b * t), temp_T, chunk
     )
@@ -401,7 +401,7 @@ def token_entropy(
     `token_logprobs`. Position i is the distribution the token at i + 1 was drawn from."""
     b, t, v = logits_1TV.shape
     dtype = torch.promote_types(logits_1TV.dtype, torch.float32)
-    temp_T = _per_position_temperature(temperature, b * t, dtype, logits_1TV.device)
+    temp_T = per_position_temperature(temperature, b * t, dtype, logits_1TV.device)
     h_T = _TokenEntropy.apply(logits_1TV.reshape(b * t, v), temp_T, chunk)  # type: ignore[no-untyped-call]
     assert isinstance(h_T, torch.Tensor)
     return h_T.reshape(b, t)

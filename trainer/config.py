@@ -110,9 +110,10 @@ class TrainConfig(RunConfig):
     backend: str = "fsdp"
     """The training backend and its parallel strategy, `BACKEND[:DIMS]`
     (`trainer.parallel.strategy`): `fsdp`, the default, is FSDP2 data parallel over every rank
-    (one process, or as many as torchrun starts); `fsdp:d4` asks for exactly 4. Tensor, context,
-    pipeline and expert sizes (`t`, `c`, `p`, `e`) parse but are refused: no backend implements
-    them yet."""
+    (one process, or as many as torchrun starts); `fsdp:d4` asks for exactly 4; `fsdp:t2` splits
+    each layer over 2 tensor ranks, data parallel over the rest (`fsdp:d2t2`: 4 ranks). Context,
+    pipeline and expert sizes (`c`, `p`, `e`) parse but are refused: no backend implements them
+    yet."""
     algorithm: str = "grpo"
     """A preset: ppo, grpo, dapo, rloo, gspo, dr_grpo, reinforce_pp."""
     algo: dict[str, Any] = Field(default_factory=dict)

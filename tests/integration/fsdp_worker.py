@@ -17,6 +17,7 @@ import torch
 
 from trainer.backends.fsdp import FSDPBackend
 from trainer.batch import MicroBatch, TrainSequence
+from trainer.parallel.strategy import parse_allocation
 
 STEPS = 3
 TEMPERATURE = 0.7
@@ -26,7 +27,7 @@ LENGTHS = (12, 30, 7, 19, 25, 4, 60, 9, 16)
 micro-batches (rank 0: 3, rank 1: 2), so rank 1 runs an empty pass."""
 
 
-def build_backend(model_dir: str | Path) -> FSDPBackend:
+def build_backend(model_dir: str | Path, allocation: str = "fsdp") -> FSDPBackend:
     """The backend of the run (a warmup and cosine schedule, so resume must restore the LR)."""
     return FSDPBackend(
         model_dir,
@@ -36,6 +37,7 @@ def build_backend(model_dir: str | Path) -> FSDPBackend:
         warmup_steps=1,
         total_steps=4,
         schedule="cosine",
+        allocation=parse_allocation(allocation),
     )
 
 

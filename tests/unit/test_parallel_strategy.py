@@ -181,9 +181,9 @@ def test_a_model_that_does_not_split(
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("fsdp:d2t2", "fsdp: tensor parallel is not implemented yet (t2 in 'fsdp:d2t2')"),
-        ("fsdp:t2d2", "fsdp: tensor parallel is not implemented yet (t2 in 'fsdp:d2t2')"),
         ("fsdp:c2", "fsdp: context parallel is not implemented yet (c2 in 'fsdp:c2')"),
+        ("fsdp:t2c2d2", "fsdp: context parallel is not implemented yet (c2 in 'fsdp:d2t2c2')"),
+        ("fsdp:t2p2", "fsdp: pipeline parallel is not implemented yet (p2 in 'fsdp:t2p2')"),
         ("fsdp:d2p2", "fsdp: pipeline parallel is not implemented yet (p2 in 'fsdp:d2p2')"),
         ("fsdp:d2e2", "fsdp: expert parallel is not implemented yet (e2 in 'fsdp:d2e2')"),
         (
@@ -203,8 +203,10 @@ def test_what_no_backend_implements_is_refused_at_load(text: str, message: str) 
         validate_config({"backend": text})
 
 
-@pytest.mark.parametrize("text", ["fsdp", "fsdp:d1", "fsdp:d8", "fsdp:t1"])
-def test_data_parallel_fsdp_is_accepted(text: str) -> None:
+@pytest.mark.parametrize(
+    "text", ["fsdp", "fsdp:d1", "fsdp:d8", "fsdp:t1", "fsdp:t2", "fsdp:d2t2", "fsdp:t4d2"]
+)
+def test_data_and_tensor_parallel_fsdp_is_accepted(text: str) -> None:
     assert check_implemented(parse_allocation(text)) == parse_allocation(text)
     assert validate_config({"backend": text}).backend == str(parse_allocation(text))
 
@@ -225,8 +227,9 @@ def test_the_fsdp_config_takes_only_what_fsdp_implements() -> None:
     assert FSDPBackendConfig(model_dir="m", allocation="fsdp:d2").allocation.strategy.data == 2
     with pytest.raises(ValidationError, match="allocation names 'megatron': use fsdp"):
         FSDPBackendConfig(model_dir="m", allocation="megatron:d2")
-    with pytest.raises(ValidationError, match=r"tensor parallel is not implemented yet"):
-        FSDPBackendConfig(model_dir="m", allocation="fsdp:t2")
+    assert FSDPBackendConfig(model_dir="m", allocation="fsdp:t2").allocation.strategy.tensor == 2
+    with pytest.raises(ValidationError, match=r"context parallel is not implemented yet"):
+        FSDPBackendConfig(model_dir="m", allocation="fsdp:t2c2")
     with pytest.raises(ValidationError, match=r"unknown dimension 'q'"):
         FSDPBackendConfig(model_dir="m", allocation="fsdp:q2")
 

@@ -14,9 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from trainer.parallel.strategy import DIMENSIONS, Allocation
 
-IMPLEMENTED: dict[str, tuple[str, ...]] = {"fsdp": ("data",)}
+IMPLEMENTED: dict[str, tuple[str, ...]] = {"fsdp": ("data", "tensor")}
 """Backend -> the `ParallelStrategy` sizes it implements; a backend not here does not exist yet.
-FSDP2 is data parallel (its mesh is `dp` over every rank it is given)."""
+FSDP2 is data parallel, and tensor parallel (DTensor, `trainer.parallel.tensor`) inside each data
+rank; context, pipeline and expert parallelism are not implemented."""
 
 DATA_PARALLEL = Allocation(backend="fsdp")
 """A bare `fsdp`: FSDP2 data parallel over every rank."""
@@ -74,8 +75,8 @@ class FSDPBackendConfig(BaseModel):
     eager (one block-diagonal mask over the whole row), or flash_attention_2 (GPU, if installed)."""
 
     allocation: Allocation = DATA_PARALLEL
-    """The backend and its parallel strategy (a string such as `fsdp` or `fsdp:d4` validates into
-    one); FSDP implements data parallelism only."""
+    """The backend and its parallel strategy (a string such as `fsdp`, `fsdp:d4` or `fsdp:d2t2`
+    validates into one); FSDP implements data and tensor parallelism."""
 
     @field_validator("allocation")
     @classmethod

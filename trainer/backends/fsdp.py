@@ -2,18 +2,27 @@
 
 One process or many under `torchrun` (gloo on CPU, NCCL on CUDA). Without torchrun it forms a
 process group of one, so a single process runs the same sharded code path as many. The backend
-takes an `Allocation` (`trainer.parallel.strategy`) and shards over the `dp` dimension of its mesh
-(`trainer.parallel.mesh`); FSDP implements data parallelism only (`trainer.backends.config`), so
-the mesh is the 1-D mesh over every rank.
+takes an `Allocation` (`trainer.parallel.strategy`) and builds its mesh (`trainer.parallel.mesh`):
+FSDP2 implements data and tensor parallelism (`trainer.backends.config`), so the mesh is `dp`, or
+`dp` x `tp`.
 
-Data parallelism. Every rank is called with the full batch and takes its share: sequences sorted
-longest first (ties by index), rank r taking every W-th from r. Each rank packs its share into
+Tensor parallelism. With a tensor size above 1 the model is first split over the `tp` submesh
+(`trainer.parallel.tensor`: Megatron's colwise/rowwise split of every layer, the LM head over the
+vocabulary), then `fully_shard` shards every parameter over the `dp` submesh as without it. The
+logits stay split over the vocabulary: logprobs and entropies come from the slices
+(`trainer.parallel.vocab`), equal on every tensor rank. The heads must divide by the tensor size;
+the backend checks that (`check_model_fits`) before it loads any weights.
+
+Data parallelism. Every rank is called with the full batch and takes its data rank's share:
+sequences sorted longest first (ties by index), data rank r of D taking every D-th from r; the
+tensor ranks of one data rank train the same sequences. Each rank packs its share into
 token-budget micro-batches, and ranks with fewer micro-batches than the busiest one run empty
-forward/backward passes so that FSDP's collectives line up (every rank can plan every rank's
+forward/backward passes so that the collectives line up (every rank can plan every rank's
 micro-batches, so this needs no communication). The loss callback divides by a normaliser of the
-whole batch; FSDP averages gradients over ranks, so each rank scales its loss by W to turn that
-average into the sum the global normaliser expects. One process and W processes therefore compute
-the same gradient up to float summation order.
+whole batch; FSDP averages gradients over the D data ranks, so each rank scales its loss by D to
+turn that average into the sum the global normaliser expects. Stats and scores are gathered over
+the data ranks. One process and many therefore compute the same gradient up to float summation
+order.
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories of model and optimizer state
 (resharded on load, so the world size may change) plus `trainer_state.json` with the step and the
@@ -42,8 +51,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from trainer.backends.base import EntropyMode, LossFn
 from trainer.backends.config import DATA_PARALLEL, check_implemented
@@ -56,8 +67,15 @@ from trainer.batch import (
     token_logprobs,
     unpack_token_values,
 )
-from trainer.parallel.mesh import build_mesh, data_mesh
+from trainer.parallel.mesh import build_mesh, data_mesh, tensor_mesh
 from trainer.parallel.strategy import Allocation
+from trainer.parallel.tensor import apply_tensor_parallel, check_model_fits
+from trainer.parallel.vocab import (
+    VocabShard,
+    vocab_parallel_entropy,
+    vocab_parallel_logprobs,
+    vocab_shard,
+)
 from trainer.stats import merge_stats
 
 MixedPrecision = Literal["fp32", "bf16"]
@@ -143,6 +161,7 @@ class FSDPBackend:
         attention: Attention = "varlen",
         allocation: Allocation = DATA_PARALLEL,
     ) -> None:
+        from transformers import AutoConfig
         from transformers.utils import logging as hf_logging
 
         if lr <= 0 or total_steps < 1 or warmup_steps < 0:
@@ -153,6 +172,7 @@ class FSDPBackend:
         if mixed_precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
             raise ValueError("this GPU has no bfloat16 support: use mixed_precision fp32")
         check_implemented(allocation)
+        check_model_fits(allocation.strategy, AutoConfig.from_pretrained(str(model_dir)))
 
         device_type = "cuda" if cuda else "cpu"
         if cuda:
@@ -181,6 +201,14 @@ class FSDPBackend:
 
         self.mesh = build_mesh(self.strategy, device_type)
         mesh = data_mesh(self.mesh)
+        self.dp_rank, self.dp_size = mesh.get_local_rank(), mesh.size()
+        self._dp_group = mesh.get_group()
+        tp_mesh = tensor_mesh(self.mesh)
+        # this rank's slice of the vocabulary where the logits are split over it (tensor parallel)
+        self.vocab: VocabShard | None = None
+        if tp_mesh is not None:
+            apply_tensor_parallel(model, tp_mesh, self._head_plan())
+            self.vocab = self._vocab_shard(model, tp_mesh)
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if mixed_precision == "bf16"
@@ -212,12 +240,26 @@ class FSDPBackend:
             model_dir, dtype=torch.float32, attn_implementation=attn_implementation
         )
 
+    def _head_plan(self) -> dict[str, ParallelStyle]:
+        """How tensor parallelism splits the output head: the LM head over the vocabulary, its
+        logits left as this rank's slice (a subclass with another head overrides this)."""
+        return {"lm_head": ColwiseParallel()}
+
+    def _vocab_shard(self, model: Any, tp_mesh: DeviceMesh) -> VocabShard | None:
+        """This rank's slice of the LM head's vocabulary, after `_head_plan` split it."""
+        shard = vocab_shard(model.config.vocab_size, tp_mesh)
+        rows = model.get_output_embeddings().weight.to_local().shape[0]
+        assert rows == shard.end - shard.start, f"{rows} LM-head rows here, slice {shard}"
+        return shard
+
     def _per_position(
         self, logits: torch.Tensor, mb: MicroBatch, temperature: float
     ) -> torch.Tensor:
         """What the loss sees at each row position, [1, T] float32: here the logprob of the
         position's target at its temperature (a subclass returns values)."""
         temp = mb.temperature_1T if mb.temperature_1T is not None else temperature
+        if self.vocab is not None:
+            return vocab_parallel_logprobs(logits, mb.targets_1T, self.vocab, temp)
         return token_logprobs(logits, mb.targets_1T, temp)
 
     def _entropy(
@@ -228,16 +270,21 @@ class FSDPBackend:
             return None
         temp = mb.temperature_1T if mb.temperature_1T is not None else temperature
         if mode == "loss":
-            return token_entropy(logits, temp)
+            return self._token_entropy(logits, temp)
         with torch.no_grad():
-            return token_entropy(logits.detach(), temp)
+            return self._token_entropy(logits.detach(), temp)
+
+    def _token_entropy(self, logits: torch.Tensor, temp: float | torch.Tensor) -> torch.Tensor:
+        if self.vocab is not None:
+            return vocab_parallel_entropy(logits, self.vocab, temp)
+        return token_entropy(logits, temp)
 
     # -- data parallelism ------------------------------------------------------------------------
 
     def _shards(self, seqs: Sequence[TrainSequence]) -> list[list[int]]:
-        """Indices into `seqs` that each rank trains on."""
+        """Indices into `seqs` that each data rank trains on (its tensor ranks all do)."""
         order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i]), i))
-        return [order[r :: self.world_size] for r in range(self.world_size)]
+        return [order[r :: self.dp_size] for r in range(self.dp_size)]
 
     def _micro_batch_count(self, seqs: Sequence[TrainSequence], token_budget: int) -> int:
         """Micro-batches of the busiest rank: the number of passes every rank runs."""
@@ -259,11 +306,12 @@ class FSDPBackend:
             torch.autograd.backward(logits.sum() * 0.0)
 
     def _gather(self, obj: _T) -> list[_T]:
-        """`obj` of every rank (a small picklable value), in rank order."""
-        if self.world_size == 1:
+        """`obj` of every data rank (a small picklable value), in data-rank order; the tensor
+        ranks of a data rank hold the same one."""
+        if self.dp_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        out: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(out, obj, group=self._dp_group)
         return out
 
     # -- the TrainBackend protocol ---------------------------------------------------------------
@@ -277,7 +325,7 @@ class FSDPBackend:
         self, seqs: Sequence[TrainSequence], temperature: float, token_budget: int
     ) -> list[list[float]]:
         """`_per_position` of every sequence without grad, unpacked per token, on every rank."""
-        ids = self._shards(seqs)[self.rank]
+        ids = self._shards(seqs)[self.dp_rank]
         micro = pack([seqs[i] for i in ids], token_budget)
         results: dict[int, list[float]] = {}
         self.model.eval()
@@ -310,7 +358,7 @@ class FSDPBackend:
             raise ValueError("train_step needs at least one sequence")
         if global_norm <= 0:
             raise ValueError(f"global_norm must be positive, got {global_norm}")
-        mine = [seqs[i] for i in self._shards(seqs)[self.rank]]
+        mine = [seqs[i] for i in self._shards(seqs)[self.dp_rank]]
         micro = pack(mine, token_budget)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -324,8 +372,8 @@ class FSDPBackend:
             entropy_1T = self._entropy(logits, mb, temperature, entropy)
             out_1T = self._per_position(logits, mb, temperature)
             loss, stats = loss_fn(out_1T, mb, global_norm, entropy_1T)
-            # FSDP averages gradients over ranks; the global normaliser wants their sum.
-            torch.autograd.backward(loss * self.world_size)
+            # FSDP averages gradients over data ranks; the global normaliser wants their sum.
+            torch.autograd.backward(loss * self.dp_size)
             values = {key: float(v) for key, v in stats.items()}
             records.append((mb.num_loss_tokens, float(loss.detach()), values))
 

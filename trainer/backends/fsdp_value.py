@@ -6,7 +6,9 @@ as AReaL's critic), so the backbone starts from the policy's weights and only th
 `score` (hidden -> 1, no bias) is new, seeded by the backend's `seed`; its dropout is 0, so values
 are deterministic. And what the loss callback sees at each row position is that position's value
 instead of a logprob. Sharding, packing, data parallelism, gradient accumulation, clipping, the LR
-schedule and DCP checkpoints are the policy backend's own code.
+schedule, DCP checkpoints and tensor parallelism are the policy backend's own code; under tensor
+parallelism the value head is replicated over the tensor ranks (its output is one number per
+position, nothing to split).
 
 Alignment: the value at row position i is the critic's estimate of the state before the token at
 i + 1 is sampled, the same "by predicting position" layout as logprobs, so `forward_values` gives
@@ -19,9 +21,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from trainer.backends.fsdp import FSDPBackend
 from trainer.batch import MicroBatch, TrainSequence
+from trainer.parallel.tensor import Replicated
+from trainer.parallel.vocab import VocabShard
 
 
 def load_value_model(model_dir: str, attn_implementation: str = "sdpa") -> Any:
@@ -43,6 +49,12 @@ class FSDPValueBackend(FSDPBackend):
 
     def _load_model(self, model_dir: str, attn_implementation: str) -> Any:
         return load_value_model(model_dir, attn_implementation)
+
+    def _head_plan(self) -> dict[str, ParallelStyle]:
+        return {"score": Replicated()}
+
+    def _vocab_shard(self, model: Any, tp_mesh: DeviceMesh) -> VocabShard | None:
+        return None  # the values are whole on every tensor rank
 
     def _per_position(
         self, logits: torch.Tensor, mb: MicroBatch, temperature: float

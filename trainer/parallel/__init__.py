@@ -2,5 +2,7 @@
 
 `strategy.py` is the typed strategy and its one-line allocation form (`fsdp:d2t2`; pydantic, no
 torch, so a run config with a bad one fails at load), and the checks against a world size and a
-model; `mesh.py` builds the torch `DeviceMesh` of a strategy.
+model; `mesh.py` builds the torch `DeviceMesh` of a strategy; `tensor.py` splits a Hugging Face
+decoder over the tensor mesh (DTensor), and `vocab.py` computes logprobs and entropies from logits
+split over the vocabulary.
 """

@@ -1,0 +1,112 @@
+"""A fixed tensor-parallel run, shared by the test process (one rank, `fsdp`) and the processes that
+torchrun starts (`fsdp:t2`, `fsdp:d2t2`), so that the two can be compared.
+
+From the repository root, `PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 2
+tests/integration/tp_worker.py MODEL OUT ALLOC` runs `run(MODEL, ALLOC, OUT/ckpt)` on every rank
+and writes each rank's result to OUT/rank{r}.pt (`torch.save`; the full state dicts are rank 0's
+only, {} elsewhere).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.integration.fsdp_worker import (
+    STEPS,
+    TEMPERATURE,
+    TOKEN_BUDGET,
+    build_backend,
+    make_sequences,
+)
+from trainer.backends.fsdp import FSDPBackend
+from trainer.backends.fsdp_value import FSDPValueBackend
+from trainer.batch import MicroBatch, TrainSequence
+from trainer.parallel.strategy import parse_allocation
+
+ENTROPY_COEF = 0.1
+"""Weight of the entropy bonus: large enough that its gradient moves the weights visibly."""
+
+
+def entropy_bonus_loss(
+    logp_1T: torch.Tensor, mb: MicroBatch, normalizer: float, entropy_1T: torch.Tensor | None
+) -> tuple[torch.Tensor, Mapping[str, float]]:
+    """Policy gradient minus an entropy bonus, over trained tokens / normalizer; reports the mean
+    logprob and entropy of the trained tokens."""
+    assert entropy_1T is not None
+    mask = mb.loss_mask_1T
+    pg = -(logp_1T * mb.advantages_1T * mask).sum()
+    loss = (pg - ENTROPY_COEF * (entropy_1T * mask).sum()) / normalizer
+    n = max(1, mb.num_loss_tokens)
+    logp = float((logp_1T.detach() * mask).sum()) / n
+    return loss, {"logp": logp, "entropy": float((entropy_1T.detach() * mask).sum()) / n}
+
+
+def value_loss(
+    values_1T: torch.Tensor, mb: MicroBatch, normalizer: float, entropy_1T: torch.Tensor | None
+) -> tuple[torch.Tensor, Mapping[str, float]]:
+    """Squared error of the values against the advantages (any fixed target will do)."""
+    mask = mb.loss_mask_1T
+    return ((values_1T - mb.advantages_1T) ** 2 * mask).sum() / normalizer, {}
+
+
+def step(backend: FSDPBackend, seqs: list[TrainSequence]) -> dict[str, float]:
+    return backend.train_step(
+        seqs,
+        entropy_bonus_loss,
+        temperature=TEMPERATURE,
+        token_budget=TOKEN_BUDGET,
+        global_norm=float(sum(s.num_loss_tokens for s in seqs)),
+        entropy="loss",
+    )
+
+
+def run(model_dir: str | Path, allocation: str, checkpoint: Path) -> dict[str, Any]:
+    """`STEPS` steps with a checkpoint (and the full state dict) before the last; then the last
+    step again from the checkpoint in a new backend; then one step of a critic."""
+    seqs = make_sequences()
+    backend = build_backend(model_dir, allocation)
+    stats = [step(backend, seqs) for _ in range(STEPS - 1)]
+    backend.save(checkpoint)
+    # a copy: on CPU, tensors that need no gathering come back as the live parameters' storage
+    saved_state = {k: v.clone() for k, v in backend.full_state_dict().items()}
+    stats.append(step(backend, seqs))
+    result: dict[str, Any] = {
+        "checkpoint": str(checkpoint),
+        "saved_state": saved_state,
+        "world_size": backend.world_size,
+        "dp_size": backend.dp_size,
+        "stats": stats,
+        "logprobs": backend.forward_logprobs(seqs, TEMPERATURE, token_budget=TOKEN_BUDGET),
+        "state": backend.full_state_dict(),
+    }
+    del backend
+
+    resumed = build_backend(model_dir, allocation)
+    resumed.load(checkpoint)
+    result["resumed_stats"] = step(resumed, seqs)
+    result["resumed_state"] = resumed.full_state_dict()
+    del resumed
+
+    critic = FSDPValueBackend(model_dir, lr=1e-4, allocation=parse_allocation(allocation))
+    norm = float(sum(s.num_loss_tokens for s in seqs))
+    result["critic_stats"] = critic.train_step(
+        seqs, value_loss, temperature=1.0, token_budget=TOKEN_BUDGET, global_norm=norm
+    )
+    result["critic_values"] = critic.forward_values(seqs, token_budget=TOKEN_BUDGET)
+    return result
+
+
+def main(model_dir: str, out: str, allocation: str) -> None:
+    import torch.distributed as dist
+
+    result = run(model_dir, allocation, Path(out) / "ckpt")
+    torch.save(result, Path(out) / f"rank{dist.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
