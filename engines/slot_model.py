@@ -13,7 +13,10 @@ K = key/value heads, D = head dim, E = hidden size, V = vocabulary.
 
 Supported: model types whose decoder layer is `input_layernorm -> self_attn(q/k/v/o_proj,
 optional q_norm/k_norm) -> post_attention_layernorm -> mlp` with full (not sliding) attention:
-qwen2, qwen3, llama, mistral. The parity tests hold this forward against the model's own.
+qwen2, qwen3, llama, mistral, and qwen3_moe, whose `mlp` is the HF sparse block (router, then
+the chosen experts; a tensor in, a tensor out since transformers 5.0), which routes each token on
+its own, so batching does not change routing. The parity tests hold this forward against the
+model's own.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 KVWriter = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """Writes one layer's new keys/values [B, K, T, D] to the cache; returns all cached [B, K, L, D]."""
 
-SUPPORTED_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+SUPPORTED_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral", "qwen3_moe"})
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Builds the tiny Qwen2 model that every test and the CPU demo use: from a seed, with no network.
+"""Builds the tiny models that every test and the CPU demo use: from a seed, with no network.
 
 The directory is an ordinary Hugging Face model that transformers and vLLM both load:
 
@@ -13,12 +13,23 @@ The directory is an ordinary Hugging Face model that transformers and vLLM both 
 - Model: `Qwen2ForCausalLM`, float32, untied embeddings (vLLM's in-place weight reload is wrong for
   tied ones), attention head_dim >= 32 (the smallest vLLM's CPU attention accepts), and
   `vocab_size == len(tokenizer)`.
+- With `moe=True`: `Qwen3MoeForCausalLM` of the same size, tokenizer and conventions, every layer
+  a sparse block of `TINY_MOE[size]` experts with top-k routing (renormalised top-k weights, as
+  Qwen3-30B-A3B). Its `config.json` names the `eager` experts implementation (a loop over the
+  experts a batch hits), which transformers reads on load. The default, `grouped_mm`, runs
+  torch's grouped matmul on CPU too (transformers 5.0 calls `torch._grouped_mm` with no CPU
+  check), whose float32 backward on CPU (torch 2.13) raises "Invalid strides/sizes" for some
+  gradient layouts, such as an expanded one; eager is plain matmuls, forward and backward.
+  transformers' `save_pretrained` does not write the setting, so the builder adds it to the saved
+  file. It also writes the expert count as `num_experts`, as Qwen3-MoE checkpoints do, rather
+  than `num_local_experts` (the name transformers 5.19 saves), which transformers 5.0 ignores.
 - Weights come from a private `torch.Generator` seeded with `seed`, so the global RNG is left alone
   and the same seed gives byte-identical files. The output head is scaled so that logits spread
   over about one nat; norm weights and biases are random too, so that a weight loader that skips
-  them gives visibly different logits.
+  them gives visibly different logits. Router weights are scaled like the output head, so that
+  routing is decisive (router logits with a std of about 1) and depends on the token.
 
-`tiny_model_dir` builds each (size, seed) once into a cache shared by concurrent processes: it
+`tiny_model_dir` builds each (size, seed, moe) once into a cache shared by concurrent processes: it
 builds into a private temporary directory beside the target and renames it into place, so readers
 only ever see complete builds.
 """
@@ -33,23 +44,28 @@ import tempfile
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
     AutoTokenizer,
     GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 BUILDER_VERSION = 1
 """Bump whenever the built files change, so that cached builds are not reused."""
 
 MARKER_FILE = "rlgateway_tiny_model.json"
-"""Written last into every build; names the builder version, size, seed and max_model_len."""
+"""Written last into every build; names the builder version, size, seed and max_model_len (and
+the expert layout of a MoE build)."""
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
@@ -59,6 +75,8 @@ PLAIN_ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 
 _WEIGHT_STD = 0.02
 _NORM_WEIGHT_STD = 0.1
+MOE_EXPERTS_IMPLEMENTATION = "eager"
+"""The experts implementation a MoE build's config names (see the module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +120,37 @@ TINY_SIZES: dict[str, TinySize] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class TinyMoe:
+    """The expert layout of a tiny Qwen3-MoE: every layer is sparse, `num_experts_per_tok` of
+    `num_experts` experts (each with `moe_intermediate_size` hidden units) per token."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.num_experts_per_tok < self.num_experts:
+            raise ValueError("num_experts_per_tok must be at least 2 and below num_experts")
+
+
+TINY_MOE: dict[str, TinyMoe] = {
+    "test": TinyMoe(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=192),
+    "demo": TinyMoe(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384),
+}
+"""The expert layout of the MoE build of each size; the rest of its shape is `TINY_SIZES[size]`."""
+
+
 def build_tiny_model(
-    out_dir: str | Path, *, seed: int = 0, size: str = "test", max_model_len: int = 2048
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    size: str = "test",
+    max_model_len: int = 2048,
+    moe: bool = False,
 ) -> Path:
-    """Writes the tiny model of `size` with weights from `seed` into `out_dir` and returns it.
+    """Writes the tiny model of `size` with weights from `seed` into `out_dir` and returns it: a
+    Qwen2, or with `moe` a Qwen3-MoE.
 
     `out_dir` must be missing, empty, or a previous build (which is overwritten). The same
     arguments give byte-identical files.
@@ -122,45 +167,69 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = _build_tokenizer(max_model_len)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=max_model_len,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=_token_id(tokenizer, EOS_TOKEN),
-        pad_token_id=_token_id(tokenizer, PAD_TOKEN),
-        dtype="float32",
-    )
-    model = _build_model(config, seed)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    common: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "max_position_embeddings": max_model_len,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": _token_id(tokenizer, EOS_TOKEN),
+        "pad_token_id": _token_id(tokenizer, PAD_TOKEN),
+        "dtype": "float32",
+    }
     marker = {"builder_version": BUILDER_VERSION, "size": size, "seed": seed}
     marker |= {"max_model_len": max_model_len, "shape": asdict(spec)}
+    model: PreTrainedModel
+    if moe:
+        experts = TINY_MOE[size]
+        config: PretrainedConfig = Qwen3MoeConfig(
+            **common,
+            num_experts=experts.num_experts,
+            num_experts_per_tok=experts.num_experts_per_tok,
+            moe_intermediate_size=experts.moe_intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            output_router_logits=False,
+            router_aux_loss_coef=0.001,
+        )
+        model = _build_model(Qwen3MoeForCausalLM, config, seed)
+        marker["moe"] = asdict(experts)
+    else:
+        model = _build_model(Qwen2ForCausalLM, Qwen2Config(**common), seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if moe:
+        saved = json.loads((out / "config.json").read_text())
+        saved["num_experts"] = saved.pop("num_local_experts")
+        saved["experts_implementation"] = MOE_EXPERTS_IMPLEMENTATION
+        (out / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
     return out
 
 
-def tiny_model_dir(*, size: str = "test", seed: int = 0) -> Path:
-    """Returns the cached build of the tiny model of `size` and `seed`, building it on first use.
+def tiny_model_dir(*, size: str = "test", seed: int = 0, moe: bool = False) -> Path:
+    """Returns the cached build of the tiny model of `size`, `seed` and `moe`, building it on first
+    use.
 
     The cache is `$RLGATEWAY_CACHE_DIR/models` (default `~/.cache/rlgateway/models`). Safe to call
     from concurrent processes: each builds privately and the first rename into place wins.
     """
     _tiny_size(size)
     root = os.environ.get("RLGATEWAY_CACHE_DIR") or Path.home() / ".cache" / "rlgateway"
-    final = Path(root) / "models" / f"tiny-{size}-seed{seed}-v{BUILDER_VERSION}"
+    kind = "tiny-moe" if moe else "tiny"
+    final = Path(root) / "models" / f"{kind}-{size}-seed{seed}-v{BUILDER_VERSION}"
     if (final / MARKER_FILE).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        build_tiny_model(tmp, seed=seed, size=size)
+        build_tiny_model(tmp, seed=seed, size=size, moe=moe)
         tmp.chmod(0o755)  # mkdtemp makes it private; the build is meant to be shared
         try:
             tmp.rename(final)
@@ -225,10 +294,12 @@ def _build_tokenizer(max_model_len: int) -> PreTrainedTokenizerFast:
     )
 
 
-def _build_model(config: Qwen2Config, seed: int) -> Qwen2ForCausalLM:
+def _build_model(
+    model_class: type[PreTrainedModel], config: PretrainedConfig, seed: int
+) -> PreTrainedModel:
     # Construction runs transformers' own init on the global RNG; fork_rng keeps it untouched.
     with torch.random.fork_rng(devices=[]):
-        model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
+        model = model_class(config)
     gen = torch.Generator().manual_seed(seed)
     head_std = 1.0 / math.sqrt(config.hidden_size)  # logits with a std of about 1
     with torch.no_grad():
@@ -236,7 +307,7 @@ def _build_model(config: Qwen2Config, seed: int) -> Qwen2ForCausalLM:
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + _NORM_WEIGHT_STD * noise)
-            elif name == "lm_head.weight":
+            elif name == "lm_head.weight" or name.endswith("mlp.gate.weight"):
                 param.copy_(head_std * noise)
             else:
                 param.copy_(_WEIGHT_STD * noise)

@@ -22,10 +22,11 @@ def _add_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="COMMAND")
     tiny = model_sub.add_parser(
         "tiny",
-        help="build the tiny Qwen2 model (deterministic from --seed, no network)",
+        help="build the tiny Qwen2 (or, with --moe, Qwen3-MoE) model (deterministic, no network)",
         description="Build the tiny Qwen2 model into DIR: a Hugging Face model directory with a "
         "byte-level tokenizer, a ChatML chat template with tool calls, and random weights drawn "
-        "from --seed. The same seed gives identical files.",
+        "from --seed. The same seed gives identical files. --moe builds a Qwen3-MoE of the same "
+        "size and tokenizer instead (4 experts, top-2 routing at --size test).",
     )
     tiny.add_argument("dir", help="output directory (must not exist, or be empty)")
     tiny.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
@@ -34,6 +35,9 @@ def _add_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     tiny.add_argument(
         "--max-model-len", type=int, default=2048, help="context length (default 2048)"
+    )
+    tiny.add_argument(
+        "--moe", action="store_true", help="a Qwen3-MoE (sparse experts) instead of a Qwen2"
     )
 
 

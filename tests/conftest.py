@@ -15,3 +15,11 @@ def tiny_model() -> Path:
     from engines.tiny_model import tiny_model_dir
 
     return tiny_model_dir(size="test", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model() -> Path:
+    """The test-sized tiny Qwen3-MoE model directory (built on first use, then cached)."""
+    from engines.tiny_model import tiny_model_dir
+
+    return tiny_model_dir(size="test", seed=0, moe=True)

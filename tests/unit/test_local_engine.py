@@ -64,6 +64,19 @@ def reference(tiny_model: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def moe_engine(tiny_moe_model: Path) -> Iterator[LocalEngine]:
+    """An engine on the tiny Qwen3-MoE, for the parity tests."""
+    engine = LocalEngine.load(LocalEngineConfig(model=str(tiny_moe_model)))
+    yield engine
+    asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tiny_moe_model: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32).eval()
+
+
 def teacher_forced(model: Any, res: GenerateResult, temperature: float) -> list[float]:
     """log_softmax(logits / T) of each sampled token from one full-sequence forward pass."""
     ids = torch.tensor([list(res.prompt_ids) + list(res.token_ids)])
@@ -84,25 +97,12 @@ def max_diff(a: list[float], b: tuple[float, ...]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-def test_local_engine_satisfies_the_protocol(shared_engine: LocalEngine) -> None:
-    assert isinstance(shared_engine, Engine)
-
-
-@pytest.mark.parametrize(
-    "sampling",
-    [
-        {"temperature": 0.0},
-        {"temperature": 1.0, "seed": 3},
-        {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 4},
-    ],
-    ids=["greedy", "sampled", "truncated"],
-)
-async def test_logprobs_match_a_teacher_forced_pass_alone_and_batched(
-    shared_engine: LocalEngine, reference: Any, sampling: dict[str, Any]
-) -> None:
+async def check_parity(engine: LocalEngine, reference: Any, sampling: dict[str, Any]) -> None:
+    """Each prompt alone and all batched: logprobs equal a teacher-forced pass (prefill, decode
+    and batched decode), and batching changes no token."""
     sp = {**sampling, "max_new_tokens": 40, "ignore_eos": True}
-    alone = [await collect(shared_engine, req(p, **sp)) for p in PROMPTS]
-    batched = await asyncio.gather(*(collect(shared_engine, req(p, **sp)) for p in PROMPTS))
+    alone = [await collect(engine, req(p, **sp)) for p in PROMPTS]
+    batched = await asyncio.gather(*(collect(engine, req(p, **sp)) for p in PROMPTS))
     for a, b in zip(alone, batched, strict=True):
         ref = teacher_forced(reference, a, sampling["temperature"])
         assert max_diff(ref, a.logprobs) <= 1e-4
@@ -112,6 +112,35 @@ async def test_logprobs_match_a_teacher_forced_pass_alone_and_batched(
             # batched results equal unbatched ones
             assert b.token_ids == a.token_ids
             assert max_diff(list(b.logprobs), a.logprobs) <= 1e-4
+
+
+def test_local_engine_satisfies_the_protocol(shared_engine: LocalEngine) -> None:
+    assert isinstance(shared_engine, Engine)
+
+
+PARITY_SAMPLING = pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.0},
+        {"temperature": 1.0, "seed": 3},
+        {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 4},
+    ],
+    ids=["greedy", "sampled", "truncated"],
+)
+
+
+@PARITY_SAMPLING
+async def test_logprobs_match_a_teacher_forced_pass_alone_and_batched(
+    shared_engine: LocalEngine, reference: Any, sampling: dict[str, Any]
+) -> None:
+    await check_parity(shared_engine, reference, sampling)
+
+
+@PARITY_SAMPLING
+async def test_moe_logprobs_match_a_teacher_forced_pass_alone_and_batched(
+    moe_engine: LocalEngine, moe_reference: Any, sampling: dict[str, Any]
+) -> None:
+    await check_parity(moe_engine, moe_reference, sampling)
 
 
 async def test_same_seed_same_tokens_and_other_seeds_differ(shared_engine: LocalEngine) -> None:

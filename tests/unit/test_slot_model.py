@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from engines.slot_model import SlotModel
 
@@ -28,6 +28,15 @@ def _model(kind: str) -> Any:
         "qwen2": Qwen2Config(**common),
         "qwen3": Qwen3Config(**common, head_dim=32),
         "llama": LlamaConfig(**common),
+        # transformers' default experts implementation, as a downloaded checkpoint gets it
+        "qwen3_moe": Qwen3MoeConfig(
+            **common,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+        ),
     }
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(configs[kind]).eval()
@@ -38,7 +47,7 @@ def _ref_logits(model: Any, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama", "qwen3_moe"])
 def test_prefill_extend_and_batched_decode_match_the_model(kind: str) -> None:
     model = _model(kind)
     runner = SlotModel(model, max_slots=4, max_model_len=256)
@@ -59,7 +68,7 @@ def test_prefill_extend_and_batched_decode_match_the_model(kind: str) -> None:
     assert torch.allclose(logits, _ref_logits(model, seqs[2][:31])[-1], atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama", "qwen3_moe"])
 def test_batched_prefill_of_uneven_prompts_matches_the_model(kind: str) -> None:
     model = _model(kind)
     runner = SlotModel(model, max_slots=6, max_model_len=512)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import unicodedata
 from pathlib import Path
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedToken
 from engines import tiny_model
 from engines.tiny_model import (
     BUILDER_VERSION,
+    TINY_MOE,
     TINY_SIZES,
     build_tiny_model,
     load_tokenizer,
@@ -108,6 +110,11 @@ def tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
     return load_tokenizer(model_dir)
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-moe") / "model", moe=True)
+
+
 def render(
     tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]], **kwargs: Any
 ) -> str:
@@ -170,6 +177,8 @@ def test_sizes_have_valid_shapes(tmp_path: Path) -> None:
     assert set(TINY_SIZES) == {"test", "demo"}
     assert TINY_SIZES["test"].hidden_size == 128
     assert all(size.head_dim >= 32 for size in TINY_SIZES.values())
+    assert TINY_MOE.keys() == TINY_SIZES.keys()
+    assert all(m.num_experts >= 4 and m.num_experts_per_tok == 2 for m in TINY_MOE.values())
     demo = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "demo", size="demo"))
     assert 1_000_000 < demo.num_parameters() < 10_000_000
 
@@ -360,3 +369,80 @@ def test_tiny_model_dir_uses_the_build_that_won_a_race(
     assert tiny_model_dir(seed=2) == final
     assert (final / tiny_model.MARKER_FILE).is_file()
     assert [p.name for p in (tmp_path / "models").iterdir()] == [final.name]  # loser cleaned up
+
+
+def test_moe_build_is_deterministic_and_shares_the_dense_tokenizer(
+    moe_dir: Path, model_dir: Path, tmp_path: Path
+) -> None:
+    again = build_tiny_model(tmp_path / "again", moe=True)
+    assert {p.name for p in again.iterdir()} == EXPECTED_FILES
+    for name in EXPECTED_FILES:
+        assert (again / name).read_bytes() == (moe_dir / name).read_bytes(), name
+    shared = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    for name in (*shared, "generation_config.json"):
+        assert (moe_dir / name).read_bytes() == (model_dir / name).read_bytes(), name
+    weights0 = load_file(moe_dir / "model.safetensors")
+    other = build_tiny_model(tmp_path / "seed1", seed=1, moe=True)
+    weights1 = load_file(other / "model.safetensors")
+    assert weights0.keys() == weights1.keys()
+    for name, tensor in weights0.items():
+        assert tensor.dtype == torch.float32
+        assert not torch.equal(tensor, weights1[name]), name
+
+
+def test_moe_model_loads_as_untied_qwen3_moe_that_routes_by_token(
+    moe_dir: Path, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    model = AutoModelForCausalLM.from_pretrained(moe_dir)
+    config = model.config
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert config.model_type == "qwen3_moe"
+    assert (config.num_experts, config.num_experts_per_tok) == (4, 2)
+    assert config.moe_intermediate_size == TINY_MOE["test"].moe_intermediate_size
+    assert (config.decoder_sparse_step, config.mlp_only_layers) == (1, [])
+    assert config.norm_topk_prob is True
+    assert config.output_router_logits is False
+    assert config._experts_implementation == tiny_model.MOE_EXPERTS_IMPLEMENTATION
+    assert config.tie_word_embeddings is False
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    assert config.hidden_size // config.num_attention_heads >= 32
+    assert config.vocab_size == len(tokenizer)
+    assert model.dtype == torch.float32
+    saved = json.loads((moe_dir / "config.json").read_text())
+    assert (saved["num_experts"], saved["experts_implementation"]) == (4, "eager")
+    marker = json.loads((moe_dir / tiny_model.MARKER_FILE).read_text())
+    assert marker["moe"] == dataclasses.asdict(TINY_MOE["test"])
+
+    ids = torch.tensor([tokenizer.encode(bytes(range(32, 127)).decode())])  # printable ASCII
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+    assert torch.isfinite(out.logits).all()
+    assert out.logits.std(dim=-1).min() > 0.5
+    assert len(out.router_logits) == config.num_hidden_layers
+    for router_TE in out.router_logits:
+        chosen = router_TE.topk(2, dim=-1).indices.sort(dim=-1).values
+        assert chosen.unique().numel() == 4  # every expert serves some token
+        assert chosen.unique(dim=0).shape[0] > 2  # and tokens pick different pairs
+
+
+def test_moe_model_trains_on_cpu_in_float32(moe_dir: Path) -> None:
+    """Forward and backward run with the experts implementation the config names."""
+    model = AutoModelForCausalLM.from_pretrained(moe_dir)
+    ids = torch.tensor([list(b"a few bytes of text"), list(b"and another sequence")[:19]])
+    model(ids, labels=ids).loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    for layer in model.model.layers:
+        assert layer.mlp.experts.gate_up_proj.grad.abs().sum(dim=(1, 2)).min() > 0
+        assert layer.mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_tiny_model_dir_caches_the_moe_build_apart(
+    moe_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RLGATEWAY_CACHE_DIR", str(tmp_path))
+    moe = tiny_model_dir(moe=True)
+    assert moe == tmp_path / "models" / f"tiny-moe-test-seed0-v{BUILDER_VERSION}"
+    assert (moe / "model.safetensors").read_bytes() == (moe_dir / "model.safetensors").read_bytes()
+    assert tiny_model_dir(moe=True) == moe
+    assert tiny_model_dir() != moe
