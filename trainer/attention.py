@@ -15,7 +15,9 @@ Contract: the model is called with `position_ids` that restart at 0 at each sequ
 `MicroBatch.position_ids_1T`), no attention mask and no KV cache (training and scoring passes
 only; generation keeps its own kernel). A row whose positions never reset is one sequence. The
 decoder layers must pass `position_ids` on to the attention function (transformers' Llama-family
-models, Qwen2 among them, do); otherwise it raises rather than attend across sequences.
+models, Qwen2 among them, do); otherwise it raises rather than attend across sequences. Under
+context parallelism `trainer.parallel.ulysses` calls this kernel on the whole row, for a share of
+the heads.
 """
 
 from __future__ import annotations

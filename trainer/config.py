@@ -15,7 +15,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from store.run_config import RunConfig
-from trainer.backends.config import FSDPBackendConfig, check_implemented
+from trainer.backends.config import (
+    FSDPBackendConfig,
+    check_context_attention,
+    check_implemented,
+)
 from trainer.parallel.strategy import parse_allocation
 
 
@@ -111,9 +115,10 @@ class TrainConfig(RunConfig):
     """The training backend and its parallel strategy, `BACKEND[:DIMS]`
     (`trainer.parallel.strategy`): `fsdp`, the default, is FSDP2 data parallel over every rank
     (one process, or as many as torchrun starts); `fsdp:d4` asks for exactly 4; `fsdp:t2` splits
-    each layer over 2 tensor ranks, data parallel over the rest (`fsdp:d2t2`: 4 ranks). Context,
-    pipeline and expert sizes (`c`, `p`, `e`) parse but are refused: no backend implements them
-    yet."""
+    each layer over 2 tensor ranks, data parallel over the rest (`fsdp:d2t2`: 4 ranks); `fsdp:c2`
+    splits each packed row's tokens over 2 context ranks (Ulysses, with the varlen attention;
+    `fsdp:d2c2`, `fsdp:c2t2`: 4 ranks). Pipeline and expert sizes (`p`, `e`) parse but are
+    refused: no backend implements them yet."""
     algorithm: str = "grpo"
     """A preset: ppo, grpo, dapo, rloo, gspo, dr_grpo, reinforce_pp."""
     algo: dict[str, Any] = Field(default_factory=dict)
@@ -165,6 +170,7 @@ class TrainConfig(RunConfig):
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         algo = self.algorithm_config()  # a bad preset or knob fails at load time
+        check_context_attention(parse_allocation(self.backend), self.optim.attention)
         buffer = algo.overlong_buffer
         if buffer is not None and self.max_tokens is not None and buffer > self.max_tokens:
             raise ValueError(

@@ -65,19 +65,27 @@ def step(backend: FSDPBackend, seqs: list[TrainSequence]) -> dict[str, float]:
     )
 
 
-def run(model_dir: str | Path, allocation: str, checkpoint: Path) -> dict[str, Any]:
-    """`STEPS` steps with a checkpoint (and the full state dict) before the last; then the last
-    step again from the checkpoint in a new backend; then one step of a critic."""
-    seqs = make_sequences()
+def run(
+    model_dir: str | Path,
+    allocation: str,
+    checkpoint: Path | None,
+    seqs: list[TrainSequence] | None = None,
+) -> dict[str, Any]:
+    """`STEPS` steps of the policy on `seqs` (default `make_sequences()`), its logprobs and
+    weights after them, then one step of a critic and its values. With a `checkpoint`, one saved
+    (with the full state dict) before the last step, and the last step again from it in a new
+    backend."""
+    seqs = make_sequences() if seqs is None else seqs
     backend = build_backend(model_dir, allocation)
     stats = [step(backend, seqs) for _ in range(STEPS - 1)]
-    backend.save(checkpoint)
-    # a copy: on CPU, tensors that need no gathering come back as the live parameters' storage
-    saved_state = {k: v.clone() for k, v in backend.full_state_dict().items()}
+    result: dict[str, Any] = {}
+    if checkpoint is not None:
+        backend.save(checkpoint)
+        # a copy: on CPU, tensors that need no gathering come back as the live parameters' storage
+        saved_state = {k: v.clone() for k, v in backend.full_state_dict().items()}
+        result |= {"checkpoint": str(checkpoint), "saved_state": saved_state}
     stats.append(step(backend, seqs))
-    result: dict[str, Any] = {
-        "checkpoint": str(checkpoint),
-        "saved_state": saved_state,
+    result |= {
         "world_size": backend.world_size,
         "dp_size": backend.dp_size,
         "stats": stats,
@@ -86,11 +94,12 @@ def run(model_dir: str | Path, allocation: str, checkpoint: Path) -> dict[str, A
     }
     del backend
 
-    resumed = build_backend(model_dir, allocation)
-    resumed.load(checkpoint)
-    result["resumed_stats"] = step(resumed, seqs)
-    result["resumed_state"] = resumed.full_state_dict()
-    del resumed
+    if checkpoint is not None:
+        resumed = build_backend(model_dir, allocation)
+        resumed.load(checkpoint)
+        result["resumed_stats"] = step(resumed, seqs)
+        result["resumed_state"] = resumed.full_state_dict()
+        del resumed
 
     critic = FSDPValueBackend(model_dir, lr=1e-4, allocation=parse_allocation(allocation))
     norm = float(sum(s.num_loss_tokens for s in seqs))

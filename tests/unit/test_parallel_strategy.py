@@ -181,8 +181,7 @@ def test_a_model_that_does_not_split(
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("fsdp:c2", "fsdp: context parallel is not implemented yet (c2 in 'fsdp:c2')"),
-        ("fsdp:t2c2d2", "fsdp: context parallel is not implemented yet (c2 in 'fsdp:d2t2c2')"),
+        ("fsdp:c2p2", "fsdp: pipeline parallel is not implemented yet (p2 in 'fsdp:c2p2')"),
         ("fsdp:t2p2", "fsdp: pipeline parallel is not implemented yet (p2 in 'fsdp:t2p2')"),
         ("fsdp:d2p2", "fsdp: pipeline parallel is not implemented yet (p2 in 'fsdp:d2p2')"),
         ("fsdp:d2e2", "fsdp: expert parallel is not implemented yet (e2 in 'fsdp:d2e2')"),
@@ -204,9 +203,21 @@ def test_what_no_backend_implements_is_refused_at_load(text: str, message: str) 
 
 
 @pytest.mark.parametrize(
-    "text", ["fsdp", "fsdp:d1", "fsdp:d8", "fsdp:t1", "fsdp:t2", "fsdp:d2t2", "fsdp:t4d2"]
+    "text",
+    [
+        "fsdp",
+        "fsdp:d1",
+        "fsdp:d8",
+        "fsdp:t1",
+        "fsdp:t2",
+        "fsdp:d2t2",
+        "fsdp:t4d2",
+        "fsdp:c2",
+        "fsdp:d2c2",
+        "fsdp:t2c2d2",
+    ],
 )
-def test_data_and_tensor_parallel_fsdp_is_accepted(text: str) -> None:
+def test_data_tensor_and_context_parallel_fsdp_is_accepted(text: str) -> None:
     assert check_implemented(parse_allocation(text)) == parse_allocation(text)
     assert validate_config({"backend": text}).backend == str(parse_allocation(text))
 
@@ -228,8 +239,18 @@ def test_the_fsdp_config_takes_only_what_fsdp_implements() -> None:
     with pytest.raises(ValidationError, match="allocation names 'megatron': use fsdp"):
         FSDPBackendConfig(model_dir="m", allocation="megatron:d2")
     assert FSDPBackendConfig(model_dir="m", allocation="fsdp:t2").allocation.strategy.tensor == 2
-    with pytest.raises(ValidationError, match=r"context parallel is not implemented yet"):
-        FSDPBackendConfig(model_dir="m", allocation="fsdp:t2c2")
+    assert FSDPBackendConfig(model_dir="m", allocation="fsdp:t2c2").allocation.strategy.context == 2
+    with pytest.raises(ValidationError, match=r"context parallel c2 runs Ulysses attention .*"):
+        FSDPBackendConfig(model_dir="m", allocation="fsdp:t2c2", attention="sdpa")
+    with pytest.raises(ValidationError, match=r"pipeline parallel is not implemented yet"):
+        FSDPBackendConfig(model_dir="m", allocation="fsdp:c2p2")
+
+
+def test_a_context_parallel_run_config_needs_the_varlen_attention() -> None:
+    assert validate_config({"backend": "fsdp:c2"}).backend == "fsdp:c2"
+    message = "context parallel c2 runs Ulysses attention around the varlen kernel, not 'sdpa'"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_config({"backend": "fsdp:c2", "optim": {"attention": "sdpa"}})
     with pytest.raises(ValidationError, match=r"unknown dimension 'q'"):
         FSDPBackendConfig(model_dir="m", allocation="fsdp:q2")
 

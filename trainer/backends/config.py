@@ -14,10 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from trainer.parallel.strategy import DIMENSIONS, Allocation
 
-IMPLEMENTED: dict[str, tuple[str, ...]] = {"fsdp": ("data", "tensor")}
+IMPLEMENTED: dict[str, tuple[str, ...]] = {"fsdp": ("data", "tensor", "context")}
 """Backend -> the `ParallelStrategy` sizes it implements; a backend not here does not exist yet.
-FSDP2 is data parallel, and tensor parallel (DTensor, `trainer.parallel.tensor`) inside each data
-rank; context, pipeline and expert parallelism are not implemented."""
+FSDP2 is data parallel, tensor parallel (DTensor, `trainer.parallel.tensor`) inside each data
+rank, and context parallel (Ulysses, `trainer.parallel.ulysses`, around the varlen attention);
+pipeline and expert parallelism are not implemented."""
 
 DATA_PARALLEL = Allocation(backend="fsdp")
 """A bare `fsdp`: FSDP2 data parallel over every rank."""
@@ -41,6 +42,18 @@ def check_implemented(allocation: Allocation) -> Allocation:
                 f"({letter}{size} in {text!r})"
             )
     return allocation
+
+
+def check_context_attention(allocation: Allocation, attention: str) -> None:
+    """ValueError unless `attention` is the per-sequence kernel where `allocation` is context
+    parallel: Ulysses attention wraps that kernel, which finds the row's sequences from the whole
+    row's position ids (the other kernels' masks would come from one slice's positions)."""
+    context = allocation.strategy.context
+    if context > 1 and attention != "varlen":
+        raise ValueError(
+            f"context parallel c{context} runs Ulysses attention around the varlen kernel, not "
+            f"{attention!r}: set attention to varlen"
+        )
 
 
 class FSDPBackendConfig(BaseModel):
@@ -75,8 +88,9 @@ class FSDPBackendConfig(BaseModel):
     eager (one block-diagonal mask over the whole row), or flash_attention_2 (GPU, if installed)."""
 
     allocation: Allocation = DATA_PARALLEL
-    """The backend and its parallel strategy (a string such as `fsdp`, `fsdp:d4` or `fsdp:d2t2`
-    validates into one); FSDP implements data and tensor parallelism."""
+    """The backend and its parallel strategy (a string such as `fsdp`, `fsdp:d4`, `fsdp:d2t2` or
+    `fsdp:d2c2` validates into one); FSDP implements data, tensor and context parallelism (context
+    with the varlen attention)."""
 
     @field_validator("allocation")
     @classmethod
@@ -94,6 +108,7 @@ class FSDPBackendConfig(BaseModel):
                 f"warmup_steps ({self.warmup_steps}) exceeds total_steps ({self.total_steps}): "
                 "raise total_steps or shorten the warmup"
             )
+        check_context_attention(self.allocation, self.attention)
         return self
 
 

@@ -3,8 +3,8 @@
 One process or many under `torchrun` (gloo on CPU, NCCL on CUDA). Without torchrun it forms a
 process group of one, so a single process runs the same sharded code path as many. The backend
 takes an `Allocation` (`trainer.parallel.strategy`) and builds its mesh (`trainer.parallel.mesh`):
-FSDP2 implements data and tensor parallelism (`trainer.backends.config`), so the mesh is `dp`, or
-`dp` x `tp`.
+FSDP2 implements data, tensor and context parallelism (`trainer.backends.config`), so the mesh is
+`dp`, with `cp` and `tp` inside it where their sizes are above 1.
 
 Tensor parallelism. With a tensor size above 1 the model is first split over the `tp` submesh
 (`trainer.parallel.tensor`: Megatron's colwise/rowwise split of every layer, the LM head over the
@@ -13,16 +13,29 @@ logits stay split over the vocabulary: logprobs and entropies come from the slic
 (`trainer.parallel.vocab`), equal on every tensor rank. The heads must divide by the tensor size;
 the backend checks that (`check_model_fits`) before it loads any weights.
 
+Context parallelism (Ulysses). With a context size c above 1 the c ranks of a context group train
+the same sequences, each holding a contiguous 1/c slice of every packed row (padded at its end to
+a multiple of c; `trainer.parallel.context`): embedding, norms, MLP, LM head and the per-position
+logprobs and entropies run on the slice, and attention trades tokens for heads in all-to-alls
+around the per-sequence kernel (`trainer.parallel.ulysses`, registered as an attention
+implementation, so the Hugging Face code is unchanged). Heads, key-value heads repeated where
+fewer, split over the context ranks as `check_model_fits` checks. The slices' per-position values
+are gathered into the whole row (differentiably), so the loss callback sees the whole
+micro-batch, the same on every context rank, and each rank back-propagates it through its own
+slice only. FSDP shards and averages over data x context ranks (`dp_cp`).
+
 Data parallelism. Every rank is called with the full batch and takes its data rank's share:
 sequences sorted longest first (ties by index), data rank r of D taking every D-th from r; the
-tensor ranks of one data rank train the same sequences. Each rank packs its share into
+tensor and context ranks of one data rank train the same sequences. Each rank packs its share into
 token-budget micro-batches, and ranks with fewer micro-batches than the busiest one run empty
 forward/backward passes so that the collectives line up (every rank can plan every rank's
 micro-batches, so this needs no communication). The loss callback divides by a normaliser of the
-whole batch; FSDP averages gradients over the D data ranks, so each rank scales its loss by D to
-turn that average into the sum the global normaliser expects. Stats and scores are gathered over
-the data ranks. One process and many therefore compute the same gradient up to float summation
-order.
+whole batch; FSDP averages gradients over the D data ranks (D x C with context parallelism), so
+each rank scales its loss by D (D x C) to turn that average into the sum the global normaliser
+expects: a context rank's gradient is its slice's share of its micro-batches' loss, and the C
+shares add up to that loss's gradient. Stats and scores are gathered over the data ranks (the
+context ranks of one hold the same). One process and many therefore compute the same gradient
+up to float summation order.
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories of model and optimizer state
 (resharded on load, so the world size may change) plus `trainer_state.json` with the step and the
@@ -57,7 +70,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from trainer.backends.base import EntropyMode, LossFn
-from trainer.backends.config import DATA_PARALLEL, check_implemented
+from trainer.backends.config import DATA_PARALLEL, check_context_attention, check_implemented
 from trainer.batch import (
     MicroBatch,
     TrainSequence,
@@ -67,9 +80,12 @@ from trainer.batch import (
     token_logprobs,
     unpack_token_values,
 )
-from trainer.parallel.mesh import build_mesh, data_mesh, tensor_mesh
+from trainer.parallel.context import ContextGroup, RowSlice, gather_row, slice_row
+from trainer.parallel.mesh import build_mesh, context_mesh, data_mesh, tensor_mesh
 from trainer.parallel.strategy import Allocation
 from trainer.parallel.tensor import apply_tensor_parallel, check_model_fits
+from trainer.parallel.ulysses import UlyssesRow
+from trainer.parallel.ulysses import register as register_ulysses
 from trainer.parallel.vocab import (
     VocabShard,
     vocab_parallel_entropy,
@@ -173,6 +189,7 @@ class FSDPBackend:
             raise ValueError("this GPU has no bfloat16 support: use mixed_precision fp32")
         check_implemented(allocation)
         check_model_fits(allocation.strategy, AutoConfig.from_pretrained(str(model_dir)))
+        check_context_attention(allocation, attention)
 
         device_type = "cuda" if cuda else "cpu"
         if cuda:
@@ -190,6 +207,8 @@ class FSDPBackend:
             from trainer.attention import register
 
             attn_implementation = register()
+            if allocation.strategy.context > 1:  # Ulysses around the per-sequence kernel
+                attn_implementation = register_ulysses()
         else:
             attn_implementation = attention
         model = self._load_model(str(model_dir), attn_implementation)
@@ -201,8 +220,18 @@ class FSDPBackend:
 
         self.mesh = build_mesh(self.strategy, device_type)
         mesh = data_mesh(self.mesh)
-        self.dp_rank, self.dp_size = mesh.get_local_rank(), mesh.size()
-        self._dp_group = mesh.get_group()
+        # FSDP averages gradients over these ranks (dp, or dp x cp)
+        self._reduce_size = mesh.size()
+        dp_mesh = self.mesh["dp"]
+        self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+        self._dp_group = dp_mesh.get_group()
+        cp_mesh = context_mesh(self.mesh)
+        # this rank's place among the ranks that split each row's tokens (context parallel)
+        self.context: ContextGroup | None = None
+        if cp_mesh is not None:
+            self.context = ContextGroup(
+                cp_mesh.get_local_rank(), cp_mesh.size(), cp_mesh.get_group()
+            )
         tp_mesh = tensor_mesh(self.mesh)
         # this rank's slice of the vocabulary where the logits are split over it (tensor parallel)
         self.vocab: VocabShard | None = None
@@ -253,22 +282,20 @@ class FSDPBackend:
         return shard
 
     def _per_position(
-        self, logits: torch.Tensor, mb: MicroBatch, temperature: float
+        self, logits: torch.Tensor, targets_1T: torch.Tensor, temp: float | torch.Tensor
     ) -> torch.Tensor:
-        """What the loss sees at each row position, [1, T] float32: here the logprob of the
-        position's target at its temperature (a subclass returns values)."""
-        temp = mb.temperature_1T if mb.temperature_1T is not None else temperature
+        """What the loss sees at each position of `logits` [1, T, V], [1, T] float32: here the
+        logprob of the position's target at its temperature (a subclass returns values)."""
         if self.vocab is not None:
-            return vocab_parallel_logprobs(logits, mb.targets_1T, self.vocab, temp)
-        return token_logprobs(logits, mb.targets_1T, temp)
+            return vocab_parallel_logprobs(logits, targets_1T, self.vocab, temp)
+        return token_logprobs(logits, targets_1T, temp)
 
     def _entropy(
-        self, logits: torch.Tensor, mb: MicroBatch, temperature: float, mode: EntropyMode
+        self, logits: torch.Tensor, temp: float | torch.Tensor, mode: EntropyMode
     ) -> torch.Tensor | None:
-        """The policy's entropy at each row position (see `LossFn`), or None when off."""
+        """The policy's entropy at each position of `logits` (see `LossFn`), or None when off."""
         if mode == "off":
             return None
-        temp = mb.temperature_1T if mb.temperature_1T is not None else temperature
         if mode == "loss":
             return self._token_entropy(logits, temp)
         with torch.no_grad():
@@ -293,21 +320,64 @@ class FSDPBackend:
             for shard in self._shards(seqs)
         )
 
-    def _forward(self, input_ids_1T: torch.Tensor, position_ids_1T: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids_1T, position_ids=position_ids_1T, use_cache=False)
+    def _forward(
+        self, input_ids_1T: torch.Tensor, position_ids_1T: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids_1T, position_ids=position_ids_1T, use_cache=False, **kwargs
+        )
         logits: torch.Tensor = out.logits
         return logits
 
+    def _forward_slice(self, part: RowSlice) -> torch.Tensor:
+        """The logits of this context rank's slice of a row (Ulysses attention over the row)."""
+        assert self.context is not None
+        row = UlyssesRow(self.context.group, self.context.size, part.row_position_ids_1P)
+        return self._forward(part.input_ids_1L, part.position_ids_1L, ulysses=row)
+
+    def _row(
+        self, mb: MicroBatch, temperature: float, entropy: EntropyMode
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of `mb`: `_per_position` and `_entropy` at every position of its row,
+        [1, T] each, on every rank. Context ranks each run their slice of the row
+        (`trainer.parallel.context`) and gather the results (differentiably)."""
+        if self.context is None:
+            logits = self._forward(mb.input_ids_1T, mb.position_ids_1T)
+            temp = mb.temperature_1T if mb.temperature_1T is not None else temperature
+            entropy_1T = self._entropy(logits, temp, entropy)
+            return self._per_position(logits, mb.targets_1T, temp), entropy_1T
+        context = self.context
+        part = slice_row(
+            mb.input_ids_1T,
+            mb.position_ids_1T,
+            mb.targets_1T,
+            mb.temperature_1T,
+            context.size,
+            context.rank,
+        )
+        logits = self._forward_slice(part)
+        temp_l = part.temperature_1L if part.temperature_1L is not None else temperature
+        entropy_1L = self._entropy(logits, temp_l, entropy)
+        out_1T = gather_row(self._per_position(logits, part.targets_1L, temp_l), part, context)
+        if entropy_1L is None:
+            return out_1T, None
+        return out_1T, gather_row(entropy_1L, part, context)
+
     def _empty_pass(self, backward: bool) -> None:
-        """A one-token pass that changes nothing, so this rank joins FSDP's collectives."""
+        """A one-token pass that changes nothing, so this rank joins FSDP's collectives (and,
+        context parallel, its group's all-to-alls: a row of one token per context rank)."""
         one = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
-        logits = self._forward(one, one)
+        if self.context is None:
+            logits = self._forward(one, one)
+        else:
+            part = slice_row(one, one, one, None, self.context.size, self.context.rank)
+            logits = self._forward_slice(part)
         if backward:
             torch.autograd.backward(logits.sum() * 0.0)
 
     def _gather(self, obj: _T) -> list[_T]:
         """`obj` of every data rank (a small picklable value), in data-rank order; the tensor
-        ranks of a data rank hold the same one."""
+        and context ranks of a data rank hold the same one."""
         if self.dp_size == 1:
             return [obj]
         out: list[Any] = [None] * self.dp_size
@@ -335,8 +405,7 @@ class FSDPBackend:
                     self._empty_pass(backward=False)
                     continue
                 mb = micro[k].to(self.device)
-                logits = self._forward(mb.input_ids_1T, mb.position_ids_1T)
-                out_1T = self._per_position(logits, mb, temperature)
+                out_1T, _ = self._row(mb, temperature, "off")
                 for j, values in zip(mb.seq_ids, unpack_token_values(out_1T, mb), strict=True):
                     results[ids[j]] = values
         for part in self._gather(results):
@@ -368,12 +437,11 @@ class FSDPBackend:
                 self._empty_pass(backward=True)
                 continue
             mb = micro[k].to(self.device)
-            logits = self._forward(mb.input_ids_1T, mb.position_ids_1T)
-            entropy_1T = self._entropy(logits, mb, temperature, entropy)
-            out_1T = self._per_position(logits, mb, temperature)
+            out_1T, entropy_1T = self._row(mb, temperature, entropy)
             loss, stats = loss_fn(out_1T, mb, global_norm, entropy_1T)
-            # FSDP averages gradients over data ranks; the global normaliser wants their sum.
-            torch.autograd.backward(loss * self.dp_size)
+            # FSDP averages gradients over the data (and context) ranks; the global normaliser
+            # wants their sum (a context rank's gradient is its slice's share of this loss).
+            torch.autograd.backward(loss * self._reduce_size)
             values = {key: float(v) for key, v in stats.items()}
             records.append((mb.num_loss_tokens, float(loss.detach()), values))
 

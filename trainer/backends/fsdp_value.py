@@ -6,9 +6,10 @@ as AReaL's critic), so the backbone starts from the policy's weights and only th
 `score` (hidden -> 1, no bias) is new, seeded by the backend's `seed`; its dropout is 0, so values
 are deterministic. And what the loss callback sees at each row position is that position's value
 instead of a logprob. Sharding, packing, data parallelism, gradient accumulation, clipping, the LR
-schedule, DCP checkpoints and tensor parallelism are the policy backend's own code; under tensor
-parallelism the value head is replicated over the tensor ranks (its output is one number per
-position, nothing to split).
+schedule, DCP checkpoints, tensor and context parallelism are the policy backend's own code;
+under tensor parallelism the value head is replicated over the tensor ranks (its output is one
+number per position, nothing to split), and under context parallelism each context rank computes
+its slice's values, gathered into the row's like logprobs.
 
 Alignment: the value at row position i is the critic's estimate of the state before the token at
 i + 1 is sampled, the same "by predicting position" layout as logprobs, so `forward_values` gives
@@ -25,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from trainer.backends.fsdp import FSDPBackend
-from trainer.batch import MicroBatch, TrainSequence
+from trainer.batch import TrainSequence
 from trainer.parallel.tensor import Replicated
 from trainer.parallel.vocab import VocabShard
 
@@ -57,7 +58,7 @@ class FSDPValueBackend(FSDPBackend):
         return None  # the values are whole on every tensor rank
 
     def _per_position(
-        self, logits: torch.Tensor, mb: MicroBatch, temperature: float
+        self, logits: torch.Tensor, targets_1T: torch.Tensor, temp: float | torch.Tensor
     ) -> torch.Tensor:
         return logits[..., 0].float()
 

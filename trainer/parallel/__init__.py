@@ -4,5 +4,7 @@
 torch, so a run config with a bad one fails at load), and the checks against a world size and a
 model; `mesh.py` builds the torch `DeviceMesh` of a strategy; `tensor.py` splits a Hugging Face
 decoder over the tensor mesh (DTensor), and `vocab.py` computes logprobs and entropies from logits
-split over the vocabulary.
+split over the vocabulary; `context.py` cuts a packed row into the context ranks' slices and
+gathers their per-position results, and `ulysses.py` is the attention that trades tokens for
+heads around the per-sequence kernel.
 """

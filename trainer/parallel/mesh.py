@@ -8,9 +8,10 @@ one-rank world needs a mesh as well. `pp`, `cp` and `tp` are built only when the
 1, so a strategy's mesh has exactly the dimensions it parallelises over, and a data-parallel
 strategy's is the 1-D mesh over every rank. Where cp > 1, `dp` and `cp` are also flattened into
 `dp_cp`: FSDP shards the parameters over both (a context rank holds the whole model for its part
-of each sequence, as a data rank does for its part of the batch), and losses and gradients are
-reduced over both. Expert parallelism is no dimension of the mesh: its groups are regroupings of
-dp x cp (`trainer.parallel.strategy`), which the backend that implements it carves out.
+of each sequence, as a data rank does for its part of the batch), and gradients are reduced over
+both; `context_mesh` is the `cp` group that Ulysses attention all-to-alls over. Expert
+parallelism is no dimension of the mesh: its groups are regroupings of dp x cp
+(`trainer.parallel.strategy`), which the backend that implements it carves out.
 """
 
 from __future__ import annotations
@@ -51,3 +52,8 @@ def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def tensor_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The tensor-parallel submesh; None where the strategy has no tensor parallelism."""
     return mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else None
+
+
+def context_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The context-parallel submesh; None where the strategy has no context parallelism."""
+    return mesh["cp"] if "cp" in (mesh.mesh_dim_names or ()) else None
