@@ -13,10 +13,6 @@ head per tensor rank, split and repeated likewise.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from engines.tiny_model import tiny_model_dir
 from tests.integration import cp_worker
 from tests.integration.fsdp_worker import STEPS
+from tests.support.torchrun import max_abs_diff, torchrun
 from trainer.backends.fsdp import FSDPBackend
 from trainer.parallel.strategy import parse_allocation
 
@@ -73,25 +70,10 @@ def run(
     size, allocation, nproc, dp_size = RUNS[request.param]
     model = tiny_model_dir(size=size, seed=0)
     out = tmp_path_factory.mktemp(request.param.replace(":", "-"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    cmd += ["--master-port", str(port), cp_worker.__file__, str(model), str(out), allocation]
-    # the worker imports the other workers as `tests.integration`: the repository on the path
-    root = Path(__file__).resolve().parents[2]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(cp_worker.__file__, [str(model), str(out), allocation], nproc=nproc)
     results = [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
     assert [(r["world_size"], r["dp_size"]) for r in results] == [(nproc, dp_size)] * nproc
     return Run(model, one_process[size], results)
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    assert all(a[k].shape == b[k].shape for k in a)
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 def test_context_ranks_train_the_same_weights_as_one_process(run: Run) -> None:

@@ -3,10 +3,6 @@ exactly from a checkpoint, and two processes under torchrun train the same weigh
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.integration import fsdp_worker
 from tests.integration.fsdp_worker import TEMPERATURE, TOKEN_BUDGET, build_backend, make_sequences
+from tests.support.torchrun import max_abs_diff, torchrun
 from trainer.backends.config import FSDPBackendConfig
 from trainer.backends.fsdp import FSDPBackend, LRSchedule
 from trainer.backends.registry import build_backend as build_backend_from_config
@@ -39,11 +36,6 @@ def hf_logprobs(model: Any, tokens: list[int], temperature: float) -> list[float
         logits = model(input_ids=ids).logits[0, :-1]
     logp = torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, 1:, None])[:, 0]
     return [0.0, *logp.tolist()]
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -126,13 +118,6 @@ def test_save_and_load_resume_exactly(tiny_model: Path, tmp_path: Path) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_two_processes_train_the_same_weights_as_one(
     one_process: dict[str, Any], tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -145,11 +130,7 @@ def test_two_processes_train_the_same_weights_as_one(
     assert len(counts) == 2
 
     out = tmp_path / "two.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(free_port()), fsdp_worker.__file__, str(tiny_model), str(out)]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(fsdp_worker.__file__, [str(tiny_model), str(out)])
     two = torch.load(out)
     assert two["world_size"] == 2
 

@@ -5,28 +5,18 @@ parallelism would use (tests/integration/mesh_worker.py)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.integration import mesh_worker
+from tests.support.torchrun import torchrun
 
 pytestmark = pytest.mark.slow
 
 
 def test_two_ranks_build_each_dimensions_mesh(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(port), mesh_worker.__file__, str(tmp_path)]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(mesh_worker.__file__, [str(tmp_path)], timeout=120)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     for r, meshes in enumerate(ranks):
