@@ -106,6 +106,25 @@ def _thinking_rows(tok: Any, im_end: int) -> list[tuple[list[int], int]]:
     return rows
 
 
+MAX_STEPS = 2000
+"""Fine-tuning steps after which a model that still does not follow its script is an error."""
+CHECK_EVERY = 50
+"""Steps between checks of the script once the first `steps` are done."""
+
+
+def _follows_script(
+    model: Any, ids_BT: torch.Tensor, attn_BT: torch.Tensor, labels_BT: torch.Tensor
+) -> bool:
+    """Whether the model's argmax is the script's next token at every reply position (so greedy
+    decoding writes every reply exactly)."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids_BT, attention_mask=attn_BT).logits
+    predicted, target = logits[:, :-1].argmax(-1), labels_BT[:, 1:]
+    graded = target != -100
+    return bool((predicted[graded] == target[graded]).all())
+
+
 def build_scripted_model(
     out_dir: Path, *, steps: int = 200, batch: int = 8, seed: int = 0, thinking: bool = False
 ) -> Path:
@@ -139,14 +158,22 @@ def build_scripted_model(
         labels_BT[b, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
         attn_BT[b, : len(ids)] = 1
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        rows_b = torch.randperm(len(rows), generator=gen)[:batch]
-        loss = model(
-            input_ids=ids_BT[rows_b], attention_mask=attn_BT[rows_b], labels=labels_BT[rows_b]
-        ).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    done = 0
+    # `steps` at least, then on until greedy decoding follows the script token for token (how
+    # many steps that takes varies with the machine's float kernels), `MAX_STEPS` at most
+    while done < steps or not _follows_script(model, ids_BT, attn_BT, labels_BT):
+        if done >= MAX_STEPS:
+            raise RuntimeError(f"the scripted model does not follow its script after {done} steps")
+        model.train()
+        for _ in range(CHECK_EVERY if done >= steps else steps):
+            rows_b = torch.randperm(len(rows), generator=gen)[:batch]
+            loss = model(
+                input_ids=ids_BT[rows_b], attention_mask=attn_BT[rows_b], labels=labels_BT[rows_b]
+            ).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        done += CHECK_EVERY if done >= steps else steps
     model.eval()
     model.save_pretrained(out_dir)
     for f in base.iterdir():
@@ -160,7 +187,7 @@ def scripted_model_dir(*, thinking: bool = False) -> Path:
     """The scripted model, built once per machine (about a minute on 2 cores) and cached; with
     `thinking`, the variant that reasons first (serve it with `--reasoning-parser think`: its
     template does not write `<think>` itself)."""
-    ingredients: list[Any] = [TOOLS, CALL, ANSWER, QUESTIONS, 200, 8, 0]
+    ingredients: list[Any] = [TOOLS, CALL, ANSWER, QUESTIONS, 200, 8, 0, "until it follows"]
     if thinking:
         ingredients += [THOUGHT, "prompts as the gateway continues them"]
     recipe = json.dumps(ingredients).encode()
