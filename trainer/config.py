@@ -12,10 +12,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from store.run_config import RunConfig
 from trainer.backends.config import (
+    ArchonBackendConfig,
+    BackendConfig,
     FSDPBackendConfig,
     check_context_attention,
     check_implemented,
@@ -46,6 +55,16 @@ class OptimConfig(BaseModel):
     """Seed of torch's RNG in every rank."""
     attention: Literal["varlen", "sdpa", "eager", "flash_attention_2"] = "varlen"
     """Attention kernel inside packed rows; varlen costs per sequence, sdpa/eager per row."""
+
+
+class MoEConfig(BaseModel):
+    """Mixture-of-experts training, under the `archon` backend (`trainer.backends.archon`)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the router's per-sequence balance loss (`trainer.moe`) in the policy's loss; 0,
+    the default, leaves routing to the reward and reports the balance loss as a metric."""
 
 
 class CriticConfig(BaseModel):
@@ -156,6 +175,8 @@ class TrainConfig(RunConfig):
     wandb: WandbConfig | None = None
     """Weights & Biases logging of every step's metrics (besides stdout, metrics.jsonl and
     TensorBoard): a `wandb:` section (even `wandb: {}`) turns it on; None: off."""
+    moe: MoEConfig = Field(default_factory=lambda: MoEConfig())
+    """Mixture-of-experts settings (the archon backend only)."""
     critic: CriticConfig = Field(default_factory=lambda: CriticConfig())
     """The value model of algorithms with a critic (ppo)."""
     publish: PublishConfig = Field(default_factory=lambda: PublishConfig())
@@ -170,7 +191,13 @@ class TrainConfig(RunConfig):
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         algo = self.algorithm_config()  # a bad preset or knob fails at load time
-        check_context_attention(parse_allocation(self.backend), self.optim.attention)
+        allocation = parse_allocation(self.backend)
+        check_context_attention(allocation, self.optim.attention)
+        if self.moe != MoEConfig() and allocation.backend != "archon":
+            raise ValueError(
+                f"moe settings act under the archon backend (MoE models) only; backend is "
+                f"{self.backend!r}: use archon, or drop the moe section"
+            )
         buffer = algo.overlong_buffer
         if buffer is not None and self.max_tokens is not None and buffer > self.max_tokens:
             raise ValueError(
@@ -197,9 +224,12 @@ class TrainConfig(RunConfig):
             # raised as a ValueError, so that pydantic reports it under `algo`, with the knob
             raise ValueError(describe_error(exc, AlgorithmConfig, prefix="algo.")) from None
 
-    def backend_config(self, model_dir: str) -> FSDPBackendConfig:
+    def backend_config(self, model_dir: str) -> BackendConfig:
+        """The policy backend's settings: those of the backend that `backend` names, from
+        `optim` (and, for archon, `moe`)."""
         o = self.optim
-        return FSDPBackendConfig(
+        allocation = parse_allocation(self.backend)
+        settings: dict[str, Any] = dict(
             model_dir=model_dir,
             lr=max(o.lr, 1e-30),  # lr 0 is a control run: AdamW with a vanishing step
             weight_decay=o.weight_decay,
@@ -211,10 +241,13 @@ class TrainConfig(RunConfig):
             gradient_checkpointing=o.gradient_checkpointing,
             seed=o.seed,
             attention=o.attention,
-            allocation=parse_allocation(self.backend),
+            allocation=allocation,
         )
+        if allocation.backend == "archon":
+            return ArchonBackendConfig(**settings, aux_loss_coef=self.moe.aux_loss_coef)
+        return FSDPBackendConfig(**settings)
 
-    def critic_backend_config(self, model_dir: str) -> FSDPBackendConfig:
+    def critic_backend_config(self, model_dir: str) -> BackendConfig:
         """The critic's backend settings: the policy's, with the critic's learning rate."""
         base = self.backend_config(model_dir)
         if self.critic.lr is None:

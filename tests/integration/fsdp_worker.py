@@ -12,10 +12,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from trainer.backends.fsdp import FSDPBackend
+from trainer.backends.registry import BACKEND_CLASSES, VALUE_BACKEND_CLASSES
 from trainer.batch import MicroBatch, TrainSequence
 from trainer.parallel.strategy import parse_allocation
 
@@ -27,9 +29,13 @@ LENGTHS = (12, 30, 7, 19, 25, 4, 60, 9, 16)
 micro-batches (rank 0: 3, rank 1: 2), so rank 1 runs an empty pass."""
 
 
-def build_backend(model_dir: str | Path, allocation: str = "fsdp") -> FSDPBackend:
-    """The backend of the run (a warmup and cosine schedule, so resume must restore the LR)."""
-    return FSDPBackend(
+def build_backend(
+    model_dir: str | Path, allocation: str = "fsdp", *, value: bool = False, **extra: Any
+) -> FSDPBackend:
+    """The backend that `allocation` names (a warmup and cosine schedule, so resume must restore
+    the LR), or with `value` its critic; `extra` are the backend's own settings."""
+    classes = VALUE_BACKEND_CLASSES if value else BACKEND_CLASSES
+    backend = classes[parse_allocation(allocation).backend](
         model_dir,
         lr=1e-4,
         weight_decay=0.01,
@@ -38,7 +44,10 @@ def build_backend(model_dir: str | Path, allocation: str = "fsdp") -> FSDPBacken
         total_steps=4,
         schedule="cosine",
         allocation=parse_allocation(allocation),
+        **extra,
     )
+    assert isinstance(backend, FSDPBackend)
+    return backend
 
 
 def make_sequences(seed: int = 0) -> list[TrainSequence]:

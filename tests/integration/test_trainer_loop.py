@@ -20,6 +20,7 @@ import torch
 
 from engines.local import LocalEngine, LocalEngineConfig
 from engines.process import ProcessEngine
+from engines.tiny_model import tiny_model_dir
 from gateway.settings import GatewaySettings
 from rlgateway.app import create_app
 from store import Store
@@ -321,19 +322,34 @@ def test_sigkill_mid_run_resumes_and_trains_each_trajectory_exactly_once(
     assert consumed_per_step(tmp_path / "store.db") == dict.fromkeys(range(1, steps + 1), batch)
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize(
+    ("algorithm", "backend"), [("grpo", "fsdp"), ("ppo", "fsdp"), ("ppo", "archon:e2")]
+)
 def test_trainer_under_torchrun_with_two_processes(
-    tiny_model: Path, tmp_path: Path, algorithm: str
+    tiny_model: Path, tmp_path: Path, algorithm: str, backend: str
 ) -> None:
+    """`rlgateway train` under torchrun on trajectories the gateway recorded: FSDP2 data parallel
+    on the tiny model, or the MoE backend with the experts split over the two ranks on the tiny
+    Qwen3-MoE (its policy and critic, with the router's balance loss weighted in)."""
     import os
     import socket
     import subprocess
     import sys
 
+    moe = backend.startswith("archon")
+    model = tiny_model_dir(moe=True) if moe else tiny_model
     batch, steps = 4, 3
-    run_id = record_trajectories(tiny_model, tmp_path, batch * steps)
+    run_id = record_trajectories(model, tmp_path, batch * steps)
+    extra: dict[str, Any] = {"moe": {"aux_loss_coef": 0.01}} if moe else {}
     config = write_run_config(
-        tmp_path, tiny_model, run_id, batch_size=batch, max_steps=steps, eta=steps
+        tmp_path,
+        model,
+        run_id,
+        batch_size=batch,
+        max_steps=steps,
+        eta=steps,
+        backend=backend,
+        **extra,
     )
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -363,6 +379,10 @@ def test_trainer_under_torchrun_with_two_processes(
     # with a critic, both ranks trained it and its sharded state was checkpointed
     assert all(("value_loss" in r) == (algorithm == "ppo") for r in rows)
     assert (tmp_path / "ckpt" / f"step-{steps:06d}" / "critic").is_dir() == (algorithm == "ppo")
+    # the MoE backend reports its router: balance loss and the least and most loaded expert
+    router = {"moe_balance_loss", "moe_load_min", "moe_load_max"}
+    assert all((router <= r.keys()) == moe for r in rows)
+    assert all(r["moe_load_min"] <= 1.0 <= r["moe_load_max"] for r in rows if moe)
 
 
 async def test_ppo_trains_a_critic_and_resumes_it_exactly(tiny_model: Path, tmp_path: Path) -> None:

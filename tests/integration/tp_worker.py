@@ -1,5 +1,6 @@
-"""A fixed tensor-parallel run, shared by the test process (one rank, `fsdp`) and the processes that
-torchrun starts (`fsdp:t2`, `fsdp:d2t2`), so that the two can be compared.
+"""A fixed parallel run, shared by the test process (one rank, `fsdp` or `archon`) and the processes
+that torchrun starts (`fsdp:t2`, `fsdp:d2t2`, `fsdp:c2`, `archon:e2`, ...), so that the two can be
+compared.
 
 From the repository root, `PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 2
 tests/integration/tp_worker.py MODEL OUT ALLOC` runs `run(MODEL, ALLOC, OUT/ckpt)` on every rank
@@ -27,6 +28,9 @@ from trainer.backends.fsdp import FSDPBackend
 from trainer.backends.fsdp_value import FSDPValueBackend
 from trainer.batch import MicroBatch, TrainSequence
 from trainer.parallel.strategy import parse_allocation
+
+AUX_LOSS_COEF = 0.05
+"""Weight of the MoE router's balance loss under the archon backend: large enough to move it."""
 
 ENTROPY_COEF = 0.1
 """Weight of the entropy bonus: large enough that its gradient moves the weights visibly."""
@@ -65,6 +69,14 @@ def step(backend: FSDPBackend, seqs: list[TrainSequence]) -> dict[str, float]:
     )
 
 
+def backend_settings(allocation: str) -> dict[str, Any]:
+    """The backend's own settings in these runs: the MoE backend weights its balance loss with
+    `AUX_LOSS_COEF`, so that its gradient takes part in every comparison."""
+    if parse_allocation(allocation).backend == "archon":
+        return {"aux_loss_coef": AUX_LOSS_COEF}
+    return {}
+
+
 def run(
     model_dir: str | Path,
     allocation: str,
@@ -76,7 +88,8 @@ def run(
     (with the full state dict) before the last step, and the last step again from it in a new
     backend."""
     seqs = make_sequences() if seqs is None else seqs
-    backend = build_backend(model_dir, allocation)
+    extra = backend_settings(allocation)
+    backend = build_backend(model_dir, allocation, **extra)
     stats = [step(backend, seqs) for _ in range(STEPS - 1)]
     result: dict[str, Any] = {}
     if checkpoint is not None:
@@ -95,13 +108,14 @@ def run(
     del backend
 
     if checkpoint is not None:
-        resumed = build_backend(model_dir, allocation)
+        resumed = build_backend(model_dir, allocation, **extra)
         resumed.load(checkpoint)
         result["resumed_stats"] = step(resumed, seqs)
         result["resumed_state"] = resumed.full_state_dict()
         del resumed
 
-    critic = FSDPValueBackend(model_dir, lr=1e-4, allocation=parse_allocation(allocation))
+    critic = build_backend(model_dir, allocation, value=True, **extra)
+    assert isinstance(critic, FSDPValueBackend)
     norm = float(sum(s.num_loss_tokens for s in seqs))
     result["critic_stats"] = critic.train_step(
         seqs, value_loss, temperature=1.0, token_budget=TOKEN_BUDGET, global_norm=norm

@@ -22,7 +22,7 @@ from engines.vllm import VLLMEngineConfig
 from gateway.settings import GatewaySettings
 from store.run_config import RunConfig
 from trainer.algorithms.config import AlgorithmConfig
-from trainer.backends.config import FSDPBackendConfig
+from trainer.backends.config import ArchonBackendConfig, FSDPBackendConfig
 from trainer.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,6 +93,8 @@ def test_the_run_config_sets_every_backend_field() -> None:
     walk above cannot see it read: instead, every field must be set from the run config."""
     built = TrainConfig(run="r").backend_config("model-dir")
     assert set(FSDPBackendConfig.model_fields) - {"type"} <= built.model_fields_set
+    moe = TrainConfig(run="r", backend="archon").backend_config("model-dir")
+    assert set(ArchonBackendConfig.model_fields) - {"type"} <= moe.model_fields_set
 
 
 def test_the_check_can_fail() -> None:

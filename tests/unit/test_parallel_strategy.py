@@ -8,7 +8,12 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from trainer.backends.config import DATA_PARALLEL, FSDPBackendConfig, check_implemented
+from trainer.backends.config import (
+    DATA_PARALLEL,
+    ArchonBackendConfig,
+    FSDPBackendConfig,
+    check_implemented,
+)
 from trainer.config import TrainConfig, validate_config
 from trainer.parallel.strategy import (
     Allocation,
@@ -185,13 +190,11 @@ def test_a_model_that_does_not_split(
         ("fsdp:t2p2", "fsdp: pipeline parallel is not implemented yet (p2 in 'fsdp:t2p2')"),
         ("fsdp:d2p2", "fsdp: pipeline parallel is not implemented yet (p2 in 'fsdp:d2p2')"),
         ("fsdp:d2e2", "fsdp: expert parallel is not implemented yet (e2 in 'fsdp:d2e2')"),
-        (
-            "archon:d2e2",
-            "backend 'archon' is not implemented yet ('archon:d2e2'); the trainer has: fsdp",
-        ),
+        ("archon:d2t2", "archon: tensor parallel is not implemented yet (t2 in 'archon:d2t2')"),
+        ("archon:c2e2", "archon: context parallel is not implemented yet (c2 in 'archon:c2e2')"),
         (
             "megatron",
-            "backend 'megatron' is not implemented yet ('megatron'); the trainer has: fsdp",
+            "backend 'megatron' is not implemented yet ('megatron'); the trainer has: fsdp, archon",
         ),
     ],
 )
@@ -232,6 +235,29 @@ def test_the_run_config_hands_its_allocation_to_the_backend() -> None:
     assert pinned.allocation == parse_allocation("fsdp:d4")
     critic = TrainConfig(run="r", backend="fsdp:d4", critic={"lr": 1e-4})
     assert critic.critic_backend_config("m").allocation == pinned.allocation
+
+
+@pytest.mark.parametrize("text", ["archon", "archon:e2", "archon:d4e2", "archon:d2e1"])
+def test_data_and_expert_parallel_archon_is_accepted(text: str) -> None:
+    assert check_implemented(parse_allocation(text)) == parse_allocation(text)
+    assert validate_config({"backend": text}).backend == str(parse_allocation(text))
+
+
+def test_the_run_config_builds_the_moe_backend_with_its_settings() -> None:
+    config = TrainConfig(run="r", backend="archon:e2", moe={"aux_loss_coef": 0.01})
+    built = config.backend_config("m")
+    assert isinstance(built, ArchonBackendConfig)
+    assert (built.type, built.aux_loss_coef) == ("archon", 0.01)
+    assert built.allocation == parse_allocation("archon:e2")
+    critic = config.critic_backend_config("m")
+    assert isinstance(critic, ArchonBackendConfig)
+    assert critic.aux_loss_coef == 0.01
+    assert isinstance(TrainConfig(run="r").backend_config("m"), FSDPBackendConfig)
+    # a setting the backend would not read is refused
+    with pytest.raises(ValidationError, match="moe settings act under the archon backend"):
+        TrainConfig(run="r", moe={"aux_loss_coef": 0.01})
+    with pytest.raises(ValidationError, match="allocation names 'fsdp': use archon"):
+        ArchonBackendConfig(model_dir="m", allocation="fsdp")
 
 
 def test_the_fsdp_config_takes_only_what_fsdp_implements() -> None:

@@ -1,24 +1,28 @@
 """Typed settings of the training backends (pydantic; imports no torch, so configs load fast).
 
-A backend config is a union discriminated on `type`; today there is one variant. Every backend
-trains with an `Allocation` (`trainer.parallel.strategy`): `IMPLEMENTED` says which backends exist
-and which parallel dimensions each implements, and `check_implemented` refuses the rest when the
-config loads, never ignoring a size it cannot honour.
+A backend config is a union discriminated on `type`: `fsdp` (dense models) and `archon` (MoE).
+Every backend trains with an `Allocation` (`trainer.parallel.strategy`): `IMPLEMENTED` says which
+backends exist and which parallel dimensions each implements, and `check_implemented` refuses the
+rest when the config loads, never ignoring a size it cannot honour.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.parallel.strategy import DIMENSIONS, Allocation
 
-IMPLEMENTED: dict[str, tuple[str, ...]] = {"fsdp": ("data", "tensor", "context")}
+IMPLEMENTED: dict[str, tuple[str, ...]] = {
+    "fsdp": ("data", "tensor", "context"),
+    "archon": ("data", "expert"),
+}
 """Backend -> the `ParallelStrategy` sizes it implements; a backend not here does not exist yet.
 FSDP2 is data parallel, tensor parallel (DTensor, `trainer.parallel.tensor`) inside each data
-rank, and context parallel (Ulysses, `trainer.parallel.ulysses`, around the varlen attention);
-pipeline and expert parallelism are not implemented."""
+rank, and context parallel (Ulysses, `trainer.parallel.ulysses`, around the varlen attention).
+The MoE backend, archon, is FSDP2 data parallel with expert parallelism folded into the data
+ranks (`trainer.parallel.expert`). Pipeline parallelism is not implemented."""
 
 DATA_PARALLEL = Allocation(backend="fsdp")
 """A bare `fsdp`: FSDP2 data parallel over every rank."""
@@ -56,13 +60,13 @@ def check_context_attention(allocation: Allocation, attention: str) -> None:
         )
 
 
-class FSDPBackendConfig(BaseModel):
-    """Settings of `trainer.backends.fsdp.FSDPBackend`."""
+class _BackendSettings(BaseModel):
+    """The settings every backend shares: `FSDPBackend`'s constructor arguments."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    type: Literal["fsdp"] = "fsdp"
-    """Backend kind."""
+    type: str
+    """Backend kind (each backend's config fixes it)."""
     model_dir: str
     """Hugging Face model directory of the initial policy."""
     lr: float = Field(1e-6, gt=0)
@@ -88,21 +92,18 @@ class FSDPBackendConfig(BaseModel):
     eager (one block-diagonal mask over the whole row), or flash_attention_2 (GPU, if installed)."""
 
     allocation: Allocation = DATA_PARALLEL
-    """The backend and its parallel strategy (a string such as `fsdp`, `fsdp:d4`, `fsdp:d2t2` or
-    `fsdp:d2c2` validates into one); FSDP implements data, tensor and context parallelism (context
-    with the varlen attention)."""
-
-    @field_validator("allocation")
-    @classmethod
-    def _fsdp_allocation(cls, allocation: Allocation) -> Allocation:
-        if allocation.backend != "fsdp":
-            raise ValueError(
-                f"the FSDP backend's allocation names {allocation.backend!r}: use fsdp"
-            )
-        return check_implemented(allocation)
+    """The backend and its parallel strategy (a string such as `fsdp`, `fsdp:d4`, `fsdp:d2t2`,
+    `fsdp:d2c2` or `archon:d4e2` validates into one); it names this config's `type`."""
 
     @model_validator(mode="after")
-    def _warmup_fits(self) -> FSDPBackendConfig:
+    def _check(self) -> _BackendSettings:
+        backend = self.type
+        if self.allocation.backend != backend:
+            raise ValueError(
+                f"the {backend} backend's allocation names {self.allocation.backend!r}: "
+                f"use {backend}"
+            )
+        check_implemented(self.allocation)
         if self.schedule != "constant" and self.warmup_steps > self.total_steps:
             raise ValueError(
                 f"warmup_steps ({self.warmup_steps}) exceeds total_steps ({self.total_steps}): "
@@ -112,5 +113,27 @@ class FSDPBackendConfig(BaseModel):
         return self
 
 
-BackendConfig = FSDPBackendConfig
-"""Every backend's config; becomes `Annotated[A | B, Field(discriminator="type")]` with Megatron."""
+class FSDPBackendConfig(_BackendSettings):
+    """Settings of `trainer.backends.fsdp.FSDPBackend`: data, tensor and context parallelism (the
+    last with the varlen attention)."""
+
+    type: Literal["fsdp"] = "fsdp"
+    """Backend kind."""
+
+
+class ArchonBackendConfig(_BackendSettings):
+    """Settings of `trainer.backends.archon.ArchonBackend`, the MoE backend: data and expert
+    parallelism, and the router's balance loss."""
+
+    type: Literal["archon"] = "archon"
+    """Backend kind."""
+    allocation: Allocation = Allocation(backend="archon")
+    """As for every backend; a bare `archon` is data parallel with every expert on every rank,
+    `archon:e2` splits the experts over groups of 2 data ranks."""
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the router's per-sequence balance loss (`trainer.moe`) in the loss; 0 reports it
+    as a metric only."""
+
+
+BackendConfig = Annotated[FSDPBackendConfig | ArchonBackendConfig, Field(discriminator="type")]
+"""Every backend's config, discriminated on `type`."""

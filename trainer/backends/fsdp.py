@@ -243,12 +243,7 @@ class FSDPBackend:
             if mixed_precision == "bf16"
             else MixedPrecisionPolicy()
         )
-        # One FSDP unit per decoder layer (the classes HF says must not be split), then the rest.
-        layer_classes = set(model._no_split_modules or ())
-        for module in model.modules():
-            if type(module).__name__ in layer_classes:
-                fully_shard(module, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self._shard(model, mesh, mp)
         self.model = model
 
         self.grad_clip = grad_clip
@@ -260,6 +255,15 @@ class FSDPBackend:
         self.schedule = LRSchedule(schedule, warmup_steps, total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self.step = 0
+
+    def _shard(self, model: Any, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> None:
+        """FSDP2 over `mesh`: one unit per decoder layer (the classes HF says must not be
+        split), then the rest (a subclass shards some modules over another mesh first)."""
+        layer_classes = set(model._no_split_modules or ())
+        for module in model.modules():
+            if type(module).__name__ in layer_classes:
+                fully_shard(module, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
 
     def _load_model(self, model_dir: str, attn_implementation: str) -> Any:
         """The HF model to train, in float32 (a subclass trains another head)."""
@@ -439,6 +443,9 @@ class FSDPBackend:
             mb = micro[k].to(self.device)
             out_1T, entropy_1T = self._row(mb, temperature, entropy)
             loss, stats = loss_fn(out_1T, mb, global_norm, entropy_1T)
+            auxiliary = self._auxiliary_loss(len(seqs))
+            if auxiliary is not None:
+                loss = loss + auxiliary
             # FSDP averages gradients over the data (and context) ranks; the global normaliser
             # wants their sum (a context rank's gradient is its slice's share of this loss).
             torch.autograd.backward(loss * self._reduce_size)
@@ -446,7 +453,7 @@ class FSDPBackend:
             records.append((mb.num_loss_tokens, float(loss.detach()), values))
 
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = float(_local(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
+        grad_norm = self._clip_grad_norm(max_norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
         # A non-finite norm skips the update (the weights stay usable); the step still counts.
         if math.isfinite(grad_norm):
@@ -462,6 +469,15 @@ class FSDPBackend:
         # the loss callback divides by the whole batch's normaliser: the parts' losses add up
         parts = [(n, {"loss": loss, **values}) for n, loss, values in gathered]
         return merge_stats(parts, summed={"loss"}) | {"grad_norm": grad_norm, "lr": lr}
+
+    def _auxiliary_loss(self, num_seqs: int) -> torch.Tensor | None:
+        """A term the model adds to the loss of the micro-batch just run forward (a subclass's
+        router balance loss), already divided by the batch's share; None: nothing."""
+        return None
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        """Clips the gradients to `max_norm` and returns their norm before clipping."""
+        return float(_local(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -5,15 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from trainer.backends.archon import ArchonBackend, ArchonValueBackend
 from trainer.backends.base import TrainBackend, ValueBackend
 from trainer.backends.config import BackendConfig
 from trainer.backends.fsdp import FSDPBackend
 from trainer.backends.fsdp_value import FSDPValueBackend
 
-BACKEND_CLASSES: dict[str, Callable[..., TrainBackend]] = {"fsdp": FSDPBackend}
+BACKEND_CLASSES: dict[str, Callable[..., TrainBackend]] = {
+    "fsdp": FSDPBackend,
+    "archon": ArchonBackend,
+}
 """Backend classes by config `type`; each takes its config's fields (less `type`) as arguments."""
 
-VALUE_BACKEND_CLASSES: dict[str, Callable[..., ValueBackend]] = {"fsdp": FSDPValueBackend}
+VALUE_BACKEND_CLASSES: dict[str, Callable[..., ValueBackend]] = {
+    "fsdp": FSDPValueBackend,
+    "archon": ArchonValueBackend,
+}
 """Value-model (critic) backends by config `type`, constructed the same way."""
 
 

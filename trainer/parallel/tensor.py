@@ -111,6 +111,7 @@ def check_model_fits(strategy: ParallelStrategy, config: Any) -> None:
         strategy,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
+        num_experts=getattr(config, "num_experts", None),
     )
     if strategy.tensor == 1:
         return
