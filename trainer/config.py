@@ -136,8 +136,9 @@ class TrainConfig(RunConfig):
     (one process, or as many as torchrun starts); `fsdp:d4` asks for exactly 4; `fsdp:t2` splits
     each layer over 2 tensor ranks, data parallel over the rest (`fsdp:d2t2`: 4 ranks); `fsdp:c2`
     splits each packed row's tokens over 2 context ranks (Ulysses, with the varlen attention;
-    `fsdp:d2c2`, `fsdp:c2t2`: 4 ranks). Pipeline and expert sizes (`p`, `e`) parse but are
-    refused: no backend implements them yet."""
+    `fsdp:d2c2`, `fsdp:c2t2`: 4 ranks); `archon` trains MoE models, `archon:e2` with their
+    experts split over groups of 2 data ranks (expert parallel; `moe` has its settings).
+    Pipeline sizes (`p`) parse but are refused: no backend implements them yet."""
     algorithm: str = "grpo"
     """A preset: ppo, grpo, dapo, rloo, gspo, dr_grpo, reinforce_pp."""
     algo: dict[str, Any] = Field(default_factory=dict)

@@ -323,21 +323,26 @@ def test_sigkill_mid_run_resumes_and_trains_each_trajectory_exactly_once(
 
 
 @pytest.mark.parametrize(
-    ("algorithm", "backend"), [("grpo", "fsdp"), ("ppo", "fsdp"), ("ppo", "archon:e2")]
+    ("algorithm", "backend"),
+    [("grpo", "fsdp"), ("ppo", "fsdp"), ("grpo", "fsdp:t2"), ("ppo", "archon:e2")],
 )
 def test_trainer_under_torchrun_with_two_processes(
     tiny_model: Path, tmp_path: Path, algorithm: str, backend: str
 ) -> None:
-    """`rlgateway train` under torchrun on trajectories the gateway recorded: FSDP2 data parallel
-    on the tiny model, or the MoE backend with the experts split over the two ranks on the tiny
-    Qwen3-MoE (its policy and critic, with the router's balance loss weighted in)."""
+    """`rlgateway train` under torchrun on trajectories the gateway recorded (the README's ladder):
+    FSDP2 data parallel on the tiny model, tensor parallel on the demo-sized one (its heads split
+    over 2), or the MoE backend with the experts split over the two ranks on the tiny Qwen3-MoE
+    (its policy and critic, with the router's balance loss weighted in)."""
     import os
     import socket
     import subprocess
     import sys
 
     moe = backend.startswith("archon")
-    model = tiny_model_dir(moe=True) if moe else tiny_model
+    if moe:
+        model = tiny_model_dir(moe=True)
+    else:
+        model = tiny_model_dir(size="demo") if backend == "fsdp:t2" else tiny_model
     batch, steps = 4, 3
     run_id = record_trajectories(model, tmp_path, batch * steps)
     extra: dict[str, Any] = {"moe": {"aux_loss_coef": 0.01}} if moe else {}

@@ -6,5 +6,6 @@ model; `mesh.py` builds the torch `DeviceMesh` of a strategy; `tensor.py` splits
 decoder over the tensor mesh (DTensor), and `vocab.py` computes logprobs and entropies from logits
 split over the vocabulary; `context.py` cuts a packed row into the context ranks' slices and
 gathers their per-position results, and `ulysses.py` is the attention that trades tokens for
-heads around the per-sequence kernel.
+heads around the per-sequence kernel; `expert.py` splits an MoE model's experts over the expert
+groups and sends tokens to them and back in all-to-alls.
 """

@@ -10,8 +10,8 @@ strategy's is the 1-D mesh over every rank. Where cp > 1, `dp` and `cp` are also
 `dp_cp`: FSDP shards the parameters over both (a context rank holds the whole model for its part
 of each sequence, as a data rank does for its part of the batch), and gradients are reduced over
 both; `context_mesh` is the `cp` group that Ulysses attention all-to-alls over. Expert
-parallelism is no dimension of the mesh: its groups are regroupings of dp x cp
-(`trainer.parallel.strategy`), which the backend that implements it carves out.
+parallelism is no dimension of this mesh: its groups regroup the data ranks
+(`trainer.parallel.strategy`), in a mesh of their own (`trainer.parallel.expert.expert_mesh`).
 """
 
 from __future__ import annotations
