@@ -2,8 +2,9 @@
 first tensor.
 
 `save_model_dir` writes a state dict as a HF model directory that every engine loads: the
-in-process trainer's weights for a remote server (`engines.vllm`, `engines.sglang`), a separate
-trainer's publish (`trainer.publish`), the demo's warm start.
+in-process trainer's weights for a remote server (`engines.vllm`, `engines.sglang`), the demo's
+warm start; `save_shards` writes one from shards as they come, one safetensors file each (a
+separate trainer's publish, `trainer.publish`, a bucket at a time).
 
 A refused update must change nothing, so everything that can be wrong with it is found first:
 its version (newer than the current one, within `MAX_POLICY_VERSION`), its files (each
@@ -15,8 +16,9 @@ failure is a `WeightUpdateError` that names the tensor or file and what is wrong
 
 from __future__ import annotations
 
+import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +94,19 @@ def read_dir(path: Path | None) -> Mapping[str, torch.Tensor]:
 def save_model_dir(
     state_dict: Mapping[str, torch.Tensor], out: Path, files_from: Path | None = None
 ) -> None:
-    """`state_dict` as the HF model directory `out` (replaced whole, atomically: a reader never
-    sees it half-written): the weights as one model.safetensors, beside the other files of the
-    model directory `files_from` (config, generation config, tokenizer) when it is one this
-    machine sees. Its own weight files and their index are not copied."""
+    """`state_dict` as the HF model directory `out` (`save_shards` with one shard)."""
+    save_shards([state_dict], out, files_from)
+
+
+def save_shards(
+    shards: Iterable[Mapping[str, torch.Tensor]], out: Path, files_from: Path | None = None
+) -> None:
+    """The tensors of `shards` as the HF model directory `out` (replaced whole, atomically: a
+    reader never sees it half-written), each shard written as it comes: one `model.safetensors`,
+    or `model-00001.safetensors`, ... with the `model.safetensors.index.json` that transformers
+    and vLLM read. Beside them, the other files of the model directory `files_from` (config,
+    generation config, tokenizer) when it is one this machine sees; its own weight files and
+    their index are not copied."""
     from safetensors.torch import save_file
 
     tmp = out.with_name(out.name + ".tmp")
@@ -106,7 +117,20 @@ def save_model_dir(
             weights = f.name.endswith((".safetensors", ".bin", ".index.json"))
             if f.is_file() and not weights:
                 shutil.copy2(f, tmp / f.name)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    weight_map: dict[str, str] = {}
+    total = 0
+    files: list[Path] = []
+    for shard in shards:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in shard.items()}
+        files.append(tmp / f"model-{len(files) + 1:05d}.safetensors")
+        save_file(tensors, str(files[-1]), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, files[-1].name)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    if len(files) == 1:
+        files[0].rename(tmp / "model.safetensors")
+    else:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

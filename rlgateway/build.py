@@ -81,6 +81,6 @@ def build_publisher(
         fallback,
         master_address=p.master_address,
         backend=backend,
-        bucket_bytes=int(p.bucket_mb * (1 << 20)),
+        bucket_bytes=p.bucket_bytes,
         timeout_s=p.timeout_s,
     )

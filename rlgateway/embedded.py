@@ -25,9 +25,10 @@ from trainer.collective import EngineSink
 from trainer.config import TrainConfig
 from trainer.loop import Trainer
 from trainer.publish import LocalPublisher, WeightPublisher
+from trainer.weights import Weights
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,9 @@ class RecordingPublisher:
         self.inner = inner
         self.store = store
 
-    async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+    async def publish(self, weights: Weights, version: int) -> int:
         before = await self.inner.served()
-        served = await self.inner.publish(state_dict, version)
+        served = await self.inner.publish(weights, version)
         if served != before:
             await self.store.record_policy(served, None)
         return served

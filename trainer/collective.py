@@ -31,45 +31,19 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import math
-from collections.abc import Iterable, Mapping, Sequence
+import queue
+import threading
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
 
-from engines.base import Broadcast, Engine, TensorMeta, WeightGroup, WeightGroupMember, WeightUpdate
+from engines.base import Broadcast, Engine, WeightGroup, WeightGroupMember, WeightUpdate
 from engines.launch import free_port
 from trainer.publish import GatewayAdmin, WeightPublisher
+from trainer.weights import Weights, buckets_of
 
 log = logging.getLogger(__name__)
-
-
-def tensor_meta(name: str, tensor: torch.Tensor) -> TensorMeta:
-    return TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-
-
-def nbytes(meta: TensorMeta) -> int:
-    dtype: torch.dtype = getattr(torch, meta.dtype)
-    return dtype.itemsize * math.prod(meta.shape)
-
-
-def buckets_of(
-    metas: Sequence[TensorMeta], bucket_bytes: int
-) -> tuple[tuple[TensorMeta, ...], ...]:
-    """`metas` in order, cut into runs of at most `bucket_bytes` (a larger tensor alone)."""
-    buckets: list[tuple[TensorMeta, ...]] = []
-    current: list[TensorMeta] = []
-    size = 0
-    for meta in metas:
-        n = nbytes(meta)
-        if current and size + n > bucket_bytes:
-            buckets.append(tuple(current))
-            current, size = [], 0
-        current.append(meta)
-        size += n
-    if current:
-        buckets.append(tuple(current))
-    return tuple(buckets)
 
 
 class GroupSender:
@@ -112,6 +86,29 @@ class GroupSender:
             self.pg.broadcast([out], opts).wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def send_buckets(self, handoff: queue.Queue[dict[str, torch.Tensor] | None]) -> None:
+        """`send` every bucket `handoff` brings, until it brings None."""
+        while (bucket := handoff.get()) is not None:
+            self.send(bucket.values())
+
+
+def _gather_pass(
+    weights: Weights,
+    bucket_bytes: int,
+    handoff: queue.Queue[dict[str, torch.Tensor] | None],
+    abandon: threading.Event,
+) -> None:
+    """One pass over `weights`, each bucket handed to the sender, then None; once `abandon` is
+    set the rest of the pass is still read (a sharded trainer's other ranks gather each bucket
+    with this one) but no longer handed over."""
+    for bucket in (*weights.buckets(bucket_bytes), None):
+        while not abandon.is_set():
+            try:
+                handoff.put(bucket, timeout=0.1)
+                break
+            except queue.Full:
+                continue
 
 
 class GroupSink(Protocol):
@@ -223,11 +220,11 @@ class CollectivePublisher:
     async def served(self) -> int:
         return await self.sink.served()
 
-    async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+    async def publish(self, weights: Weights, version: int) -> int:
         if version == await self.sink.served():
             return version
         try:
-            served = await self._broadcast(state_dict, version)
+            served = await self._broadcast(weights, version)
         except Exception as exc:  # any failure over the group: this version goes from disk
             self._sender = None
             log.warning(
@@ -237,29 +234,39 @@ class CollectivePublisher:
                 exc,
                 type(self.fallback).__name__,
             )
-            return await self.fallback.publish(state_dict, version)
+            return await self.fallback.publish(weights, version)
         self.broadcasts += 1
         return served
 
-    async def _broadcast(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+    async def _broadcast(self, weights: Weights, version: int) -> int:
         world, intact = await self.sink.group_size()
         sender = self._sender
         if sender is None or not intact or sender.group.world_size != world:
             sender = await self._form(world)
-        names = list(state_dict)
-        broadcast = Broadcast(
-            buckets_of([tensor_meta(n, state_dict[n]) for n in names], self.bucket_bytes)
+        broadcast = Broadcast(buckets_of(weights.metas(), self.bucket_bytes))
+        # One thread reads the buckets (gathering them from a sharded trainer's ranks), another
+        # broadcasts them: a failed broadcast leaves its thread blocked until the group's timeout,
+        # but the pass over the weights ends at once, so the fallback can read them again.
+        handoff: queue.Queue[dict[str, torch.Tensor] | None] = queue.Queue(maxsize=1)
+        abandon = threading.Event()
+        reading = asyncio.create_task(
+            asyncio.to_thread(_gather_pass, weights, self.bucket_bytes, handoff, abandon)
         )
-        sending = asyncio.create_task(
-            asyncio.to_thread(sender.send, (state_dict[n] for n in names))
-        )
+        sending = asyncio.create_task(asyncio.to_thread(sender.send_buckets, handoff))
+        receiving = asyncio.create_task(self.sink.receive(broadcast, version))
         try:
-            served = await self.sink.receive(broadcast, version)
+            done, _ = await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:  # without a failure both are done
+                if (failure := task.exception()) is not None:
+                    raise failure
+            served = receiving.result()
         except BaseException:
-            # the sender times out on its own (the group's timeout): it cannot be interrupted
-            sending.add_done_callback(_quiet)
+            abandon.set()
+            receiving.cancel()
+            sending.add_done_callback(_quiet)  # times out on its own: it cannot be interrupted
+            await reading
             raise
-        await sending
+        await reading
         return served
 
     async def _form(self, world: int) -> GroupSender:

@@ -110,11 +110,19 @@ class PublishConfig(BaseModel):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """collective: the torch.distributed backend of the group; auto: nccl with CUDA, else gloo."""
     bucket_mb: float = Field(512.0, gt=0)
-    """collective: the servers receive and load the weights in buckets of at most this many MiB."""
+    """The weights go to the engines in buckets of at most this many MiB (a larger tensor alone),
+    each gathered from the trainer's shards as it goes: never the whole model on one rank.
+    disk: one safetensors file per bucket; collective: the servers receive and load each bucket
+    (the in-process engine's swap takes all of them at once)."""
     timeout_s: float = Field(300.0, gt=0)
     """collective: bounds forming the group and each broadcast."""
     keep: int = Field(2, ge=1)
     """disk: published versions kept under checkpoint_dir/published."""
+
+    @property
+    def bucket_bytes(self) -> int:
+        """`bucket_mb` in bytes."""
+        return int(self.bucket_mb * (1 << 20))
 
 
 class TrainConfig(RunConfig):

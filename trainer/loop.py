@@ -59,6 +59,7 @@ from trainer.sequences import (
     with_gae,
 )
 from trainer.stats import merge_stats
+from trainer.weights import ShardedWeights, serve_weight_passes
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,19 @@ class Trainer:
                 await asyncio.to_thread(checkpoint.load_critic, path, self.critic)
             self.step, self.version = meta.step, meta.policy_version
         if not self.is_leader:
+            serve_weight_passes(self.backend)  # rank 0's republish below reads them from all
             return self.step
+        with ShardedWeights(self.backend) as weights:
+            await self._republish(found, weights)
+        if found is not None:
+            log.info("resumed from %s at step %d, version %d", found[0], self.step, self.version)
+        return self.step
+
+    async def _republish(
+        self, found: tuple[Path, checkpoint.CheckpointMeta] | None, weights: ShardedWeights
+    ) -> None:
+        """Rank 0 of `resume`: settle the checkpoint's sessions, then bring the engines to this
+        trainer's weights (`resume`'s docstring)."""
         if found is not None:
             _, meta = found
             await self.store.settle_consumed(meta.consumed, step=meta.step)
@@ -155,10 +168,7 @@ class Trainer:
                 self.version = max(self.version, served)
             elif served != self.version:
                 target = served + 1 if served > self.version else self.version
-                self.version = await self.publisher.publish(self.backend.full_state_dict(), target)
-        if found is not None:
-            log.info("resumed from %s at step %d, version %d", found[0], self.step, self.version)
-        return self.step
+                self.version = await self.publisher.publish(weights, target)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Train until `max_steps` (or `stop` is set). Under torchrun every rank runs this: rank 0
@@ -398,15 +408,16 @@ class Trainer:
                 is_writer=self.is_leader,
                 critic=self.critic if self.algo.use_critic else None,
             )
-        weights = backend.full_state_dict()  # a collective: every rank takes part
         self.version = new_version
         if not self.is_leader:
+            serve_weight_passes(backend)  # the publisher on rank 0 reads the weights from all
             return
-        await self.store.mark_consumed(used, owner=self.owner, step=step)
-        if dropped:
-            await self.store.mark_consumed(dropped, owner=self.owner, step=-1)
-        if self.publisher is not None:
-            self.version = await self.publisher.publish(weights, new_version)
+        with ShardedWeights(backend) as weights:
+            await self.store.mark_consumed(used, owner=self.owner, step=step)
+            if dropped:
+                await self.store.mark_consumed(dropped, owner=self.owner, step=-1)
+            if self.publisher is not None:
+                self.version = await self.publisher.publish(weights, new_version)
         elapsed = time.perf_counter() - t0
         seqs = done.sequences
         n_tokens = sum(s.num_loss_tokens for s in seqs)

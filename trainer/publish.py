@@ -1,28 +1,34 @@
 """Publishing new weights to the inference engines: one interface, several transports.
 
-- `LocalPublisher`: the engine lives in this process (`rlgateway serve --train`): the state dict
-  goes straight to `engine.update_weights`, applied between decode steps.
+A publisher gets `trainer.weights.Weights`: names, dtypes and shapes up front, the tensors a
+bucket at a time, gathered from the trainer's shards as each bucket is read (never the whole model
+on one rank, where the transport allows it).
+
+- `LocalPublisher`: the engine lives in this process (`rlgateway serve --train`, one trainer
+  rank): the state dict goes straight to `engine.update_weights`, applied between decode steps;
+  the engine's swap takes every tensor at once, so the buckets are collected first.
 - `DiskPublisher`: the gateway runs in another process: the weights are written as a HF
-  safetensors directory and the gateway is told to load them (`POST /admin/weights`).
+  safetensors directory, one file per bucket as it comes, and the gateway is told to load them
+  (`POST /admin/weights`).
 - `trainer.collective.CollectivePublisher`: the engines are vLLM/SGLang servers: the weights
-  are broadcast over a process group the servers join (no shared filesystem), a version that
-  fails that way going through one of the above.
+  are broadcast over a process group the servers join (no shared filesystem), bucket by bucket,
+  a version that fails that way going through one of the above.
 """
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
 from engines.base import Engine, WeightUpdate
-from engines.weights import save_model_dir
+from engines.weights import save_shards
+from trainer.weights import Weights, gather_all
 
 
 class WeightPublisher(Protocol):
-    async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+    async def publish(self, weights: Weights, version: int) -> int:
         """Make `version` the engines' policy; returns the version they now serve. Publishing
         the version they already serve changes nothing (a restarted trainer's resume)."""
         ...
@@ -36,9 +42,10 @@ class LocalPublisher:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+    async def publish(self, weights: Weights, version: int) -> int:
         if version == self.engine.version():
             return version
+        state_dict = await asyncio.to_thread(gather_all, weights)
         return await self.engine.update_weights(
             WeightUpdate(state_dict=state_dict, version=version)
         )
@@ -69,7 +76,6 @@ class GatewayAdmin:
     ) -> dict[str, object]:
         """The JSON answer; `httpx.HTTPStatusError` for a 4xx/5xx, `ConnectionError` once the
         retries (none with `retry=False`) are spent."""
-        import asyncio
         import time
 
         import httpx
@@ -103,22 +109,28 @@ class GatewayAdmin:
 
 
 class DiskPublisher:
-    """Writes `dir/v{version}` and asks the gateway (`admin`) to load it (`POST /admin/weights`);
-    the gateway must see this machine's filesystem. The newest `keep` versions stay on disk."""
+    """Writes `dir/v{version}`, a safetensors file per bucket of at most `bucket_bytes`, and asks
+    the gateway (`admin`) to load it (`POST /admin/weights`); the gateway must see this machine's
+    filesystem. The newest `keep` versions stay on disk."""
 
     def __init__(
-        self, directory: Path, model_dir: Path, admin: GatewayAdmin, keep: int = 2
+        self,
+        directory: Path,
+        model_dir: Path,
+        admin: GatewayAdmin,
+        keep: int = 2,
+        bucket_bytes: int = 512 << 20,
     ) -> None:
         self.directory = directory
         self.model_dir = model_dir
         self.admin = admin
         self.keep = keep
+        self.bucket_bytes = bucket_bytes
 
-    async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
-        import asyncio
-
+    async def publish(self, weights: Weights, version: int) -> int:
         out = self.directory / f"v{version}"
-        await asyncio.to_thread(save_model_dir, state_dict, out, self.model_dir)
+        shards = weights.buckets(self.bucket_bytes)
+        await asyncio.to_thread(save_shards, shards, out, self.model_dir)
         body = await self.admin.call(
             "POST", "/admin/weights", json={"path": str(out.resolve()), "version": version}
         )

@@ -65,7 +65,13 @@ async def _train(cfg: object, gateway_url: str | None, token: str | None) -> int
                 assert token is not None
                 admin = GatewayAdmin(gateway_url, token)
                 weights_dir = Path(cfg.checkpoint_dir) / "published"
-                disk = DiskPublisher(weights_dir, model_dir, admin, keep=cfg.publish.keep)
+                disk = DiskPublisher(
+                    weights_dir,
+                    model_dir,
+                    admin,
+                    keep=cfg.publish.keep,
+                    bucket_bytes=cfg.publish.bucket_bytes,
+                )
                 publisher = build_publisher(cfg, disk, AdminSink(admin))
             elif cfg.publish.mode != "disk":
                 raise ValueError("publish.mode collective needs a gateway: give --gateway-url")

@@ -10,11 +10,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from trainer.publish import DiskPublisher, GatewayAdmin
+from trainer.weights import StateDictWeights
 
 
 def free_port() -> int:
@@ -121,7 +123,7 @@ async def test_the_newest_keep_versions_stay_on_disk(tmp_path: Path, keep: int) 
         admin = GatewayAdmin(f"http://127.0.0.1:{port}", "t", retry_seconds=5)
         pub = DiskPublisher(tmp_path / "weights", tmp_path / "model", admin, keep=keep)
         for v in (1, 2, 3):
-            assert await pub.publish({"w": torch.full((2,), float(v))}, v) == v
+            assert await pub.publish(StateDictWeights({"w": torch.full((2,), float(v))}), v) == v
     assert [b["version"] for b in announced] == [1, 2, 3]
     kept = sorted(p.name for p in (tmp_path / "weights").iterdir())
     assert kept == ["v1", "v2", "v3"][-keep:]
@@ -129,3 +131,41 @@ async def test_the_newest_keep_versions_stay_on_disk(tmp_path: Path, keep: int) 
         "config.json",
         "model.safetensors",
     ]
+
+
+@pytest.mark.parametrize("bucket_mb", [512.0, 0.5])
+async def test_publish_bucket_mb_sets_the_files_a_version_is_written_in(
+    tmp_path: Path, tiny_model: Path, bucket_mb: float
+) -> None:
+    """`publish.bucket_mb`: one safetensors file per bucket, written as it comes (with the
+    index transformers and vLLM read where there are several); the model loads the same."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from engines.weights import read_dir
+    from trainer.config import PublishConfig
+    from trainer.weights import buckets_of
+
+    app = FastAPI()
+
+    @app.post("/admin/weights")
+    async def load(body: dict[str, object]) -> JSONResponse:
+        return JSONResponse({"version": body["version"], "changed": True})
+
+    state = load_file(str(tiny_model / "model.safetensors"))
+    bucket_bytes = PublishConfig(bucket_mb=bucket_mb).bucket_bytes
+    port = free_port()
+    async with serve(app, port):
+        admin = GatewayAdmin(f"http://127.0.0.1:{port}", "t", retry_seconds=5)
+        pub = DiskPublisher(tmp_path / "w", tiny_model, admin, bucket_bytes=bucket_bytes)
+        assert await pub.publish(StateDictWeights(state), 1) == 1
+    out = tmp_path / "w" / "v1"
+    files = len(buckets_of(StateDictWeights(state).metas(), bucket_bytes))
+    assert files == (1 if bucket_mb == 512.0 else 4)  # the 1.8 MiB tiny model
+    assert len(list(out.glob("*.safetensors"))) == files
+    assert (out / "model.safetensors.index.json").is_file() == (files > 1)
+    on_disk = read_dir(out)
+    assert on_disk.keys() == state.keys()
+    assert all(torch.equal(on_disk[k], state[k]) for k in state)
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items() if k in state)

@@ -40,6 +40,7 @@ from tests.integration.test_training_processes import drive, run_config
 from tests.support.procs import live_children
 from trainer.config import TrainConfig
 from trainer.publish import LocalPublisher
+from trainer.weights import StateDictWeights
 
 # -- the run owns its config ---------------------------------------------------------------------
 
@@ -152,7 +153,7 @@ async def test_in_process_publishes_are_recorded_without_a_directory(
     store = await Store.connect(store_url)
     try:
         publisher = RecordingPublisher(LocalPublisher(engine), store)
-        weights = load_file(str(tiny_model / "model.safetensors"))
+        weights = StateDictWeights(load_file(str(tiny_model / "model.safetensors")))
         v = engine.version() + 1
         assert await publisher.publish(weights, v) == v == await publisher.served()
         recorded = await store.latest_policy()

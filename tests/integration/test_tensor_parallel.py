@@ -149,6 +149,12 @@ def test_a_tensor_parallel_checkpoint_resumes_exactly_and_exports(run: Run) -> N
     assert all(torch.equal(exported[k], saved[k]) for k in saved)
 
 
+def test_tensor_sharded_weights_are_published_a_bucket_at_a_time(run: Run) -> None:
+    # rank 0 wrote each bucket as the ranks gathered it; the state is the full one, bit for bit
+    tp_worker.check_published(run.ranks[0])
+    tp_worker.check_published(run.one_process)
+
+
 def test_a_tensor_parallel_critic_matches_one_process(run: Run) -> None:
     one_process = run.one_process
     for r in run.ranks:

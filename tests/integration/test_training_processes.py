@@ -17,6 +17,8 @@ import httpx
 import pytest
 import yaml
 
+from engines.launch import free_port
+from engines.tiny_model import tiny_model_dir
 from tests.integration.gateway_server import GatewayHandle, run_gateway
 
 pytestmark = pytest.mark.slow
@@ -78,14 +80,41 @@ def test_serve_with_embedded_trainer(tiny_model: Path, tmp_path: Path, algorithm
     assert (last / "critic").is_dir() == (algorithm == "ppo")  # ppo trains and saves a critic
 
 
-def test_separate_trainer_publishes_to_the_gateway(tiny_model: Path, tmp_path: Path) -> None:
-    with run_gateway(tiny_model, tmp_path) as gw:
+TRAINERS = {
+    "one process": (1, "fsdp"),
+    "torchrun fsdp:d2": (2, "fsdp:d2"),
+    "torchrun archon:e2": (2, "archon:e2"),
+}
+"""How the separate trainer runs: processes and backend (archon on the tiny Qwen3-MoE, which the
+gateway then serves)."""
+
+
+@pytest.mark.parametrize("trainer_kind", list(TRAINERS))
+def test_separate_trainer_publishes_to_the_gateway(
+    tiny_model: Path, tmp_path: Path, trainer_kind: str
+) -> None:
+    """The trainer in its own process(es) publishes each version to a running gateway; under
+    torchrun rank 0 writes each bucket of `publish.bucket_mb` (one file each) as all ranks gather
+    it from their shards, FSDP's or the experts'."""
+    nproc, backend = TRAINERS[trainer_kind]
+    model = tiny_model_dir(moe=True) if backend.startswith("archon") else tiny_model
+    with run_gateway(model, tmp_path) as gw:
         run_id = gw.create_run("sep", {"batch_size": 4, "group_size": 2, "eta": 1})
         config = run_config(
-            tmp_path, run=run_id, database_url=gw.database_url, model=str(tiny_model)
+            tmp_path,
+            run=run_id,
+            database_url=gw.database_url,
+            model=str(model),
+            backend=backend,
+            publish={"bucket_mb": 0.25},
         )
+        launcher = [sys.executable, "-m", "rlgateway.cli"]
+        if nproc > 1:
+            torchrun = ["-m", "torch.distributed.run", "--master-port", str(free_port())]
+            launcher = [sys.executable, *torchrun, "--nproc-per-node", str(nproc),
+                        "-m", "rlgateway.cli"]  # fmt: skip
         # the preset chosen by a command-line override, with no change to the config file
-        cmd = [sys.executable, "-m", "rlgateway.cli", "train", "--config", str(config),
+        cmd = [*launcher, "train", "--config", str(config),
                "--gateway-url", gw.url, "--admin-token", gw.admin_token,
                "algorithm=ppo"]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -104,5 +133,7 @@ def test_separate_trainer_publishes_to_the_gateway(tiny_model: Path, tmp_path: P
         assert all("value_loss" in json.loads(line) for line in metrics)
         published = sorted(p.name for p in (tmp_path / "ckpt" / "published").iterdir())
         assert published == [f"v{v}" for v in range(1, STEPS + 1)]
+        shards = list((tmp_path / "ckpt" / "published" / f"v{STEPS}").glob("*.safetensors"))
+        assert len(shards) > 1  # buckets of 0.25 MiB: the tiny models' 1.8 MiB go in several
         r = gw.client.post("/admin/weights", json={"path": str(tmp_path / "nope")})
         assert r.status_code == 400

@@ -21,7 +21,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from engines.base import (
     Broadcast,
@@ -44,9 +43,10 @@ from tests.integration.test_training_processes import drive, run_config
 from tests.support.fake_sglang import FakeServer, run_fake_sglang, weights_digest
 from tests.support.fake_vllm import run_fake_vllm
 from tests.support.perturb import perturbed, perturbed_dir
-from trainer.collective import CollectivePublisher, EngineSink, buckets_of, tensor_meta
+from trainer.collective import CollectivePublisher, EngineSink
 from trainer.config import TrainConfig
 from trainer.publish import LocalPublisher
+from trainer.weights import StateDictWeights, Weights, buckets_of, tensor_meta
 
 pytestmark = pytest.mark.slow
 
@@ -97,9 +97,9 @@ class CountingFallback(LocalPublisher):
         super().__init__(engine)
         self.versions: list[int] = []
 
-    async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+    async def publish(self, weights: Weights, version: int) -> int:
         self.versions.append(version)
-        return await super().publish(state_dict, version)
+        return await super().publish(weights, version)
 
 
 def publisher(router: Router, **knobs: Any) -> tuple[CollectivePublisher, CountingFallback]:
@@ -135,17 +135,18 @@ async def test_sglang_and_vllm_receive_the_trainers_weights(tiny_model: Path) ->
         async with router_over(servers) as router:
             pub, fallback = publisher(router)
             assert await EngineSink(router).group_size() == (3, False)
-            assert await pub.publish(v1, 1) == 1
+            assert await pub.publish(StateDictWeights(v1), 1) == 1
             sender = pub._sender
             assert router.weight_group_intact()
             for server in servers:
                 assert await served_digest(server) == weights_digest(v1)
                 assert await receives(server) == len(buckets)
-            assert await pub.publish(v2, 2) == 2
+            assert await pub.publish(StateDictWeights(v2), 2) == 2
             assert pub._sender is sender  # the group held: not formed again
             for server in servers:
                 assert await served_digest(server) == weights_digest(v2)
-            assert await pub.publish(v2, 2) == 2  # the version served already: nothing goes
+            # the version served already: nothing goes
+            assert await pub.publish(StateDictWeights(v2), 2) == 2
             assert (pub.broadcasts, fallback.versions) == (2, [])
             health = await router.health()
             assert {s.version for s in health.servers} == {2}
@@ -153,7 +154,7 @@ async def test_sglang_and_vllm_receive_the_trainers_weights(tiny_model: Path) ->
             assert info["weight_version"] == "2"
             # one bucket of 1 GiB holds the whole model: one receive call each
             whole, _ = publisher(router, bucket_mb=1024)
-            assert await whole.publish(v3, 3) == 3
+            assert await whole.publish(StateDictWeights(v3), 3) == 3
             for server in servers:
                 assert await receives(server) == 2 * len(buckets) + 1
                 assert await served_digest(server) == weights_digest(v3)
@@ -170,9 +171,9 @@ async def test_a_transfer_that_fails_part_way_goes_from_disk(
     with sglang_and_vllm(tiny_model) as servers:
         async with router_over(servers) as router:
             pub, fallback = publisher(router, timeout_s=5.0)
-            assert await pub.publish(v1, 1) == 1
+            assert await pub.publish(StateDictWeights(v1), 1) == 1
             await call("POST", f"{servers[0].url}/fake/fail_next_receive")
-            assert await pub.publish(v2, 2) == 2
+            assert await pub.publish(StateDictWeights(v2), 2) == 2
             assert fallback.versions == [2]
             assert not router.weight_group_intact()
             for server in servers:
@@ -182,7 +183,7 @@ async def test_a_transfer_that_fails_part_way_goes_from_disk(
             while {s.state for s in (await router.health()).servers} != {"up"}:
                 assert time.monotonic() < deadline, (await router.health()).servers
                 await asyncio.sleep(0.1)
-            assert await pub.publish(v3, 3) == 3
+            assert await pub.publish(StateDictWeights(v3), 3) == 3
             assert (pub.broadcasts, fallback.versions) == (2, [2])
             for server in servers:
                 assert await served_digest(server) == weights_digest(v3)
@@ -263,7 +264,7 @@ async def test_a_server_that_cannot_join_sends_the_version_from_disk(tiny_model:
             # TEST-NET-1: nothing answers there
             pub, fallback = publisher(router, timeout_s=3.0, master_address="192.0.2.1")
             start = time.monotonic()
-            assert await pub.publish(v1, 1) == 1
+            assert await pub.publish(StateDictWeights(v1), 1) == 1
             assert time.monotonic() - start >= 3.0  # the servers had the whole timeout to join
             assert (pub.broadcasts, fallback.versions) == (0, [1])
             for server in servers:

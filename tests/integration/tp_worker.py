@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engines.weights import save_shards
 from tests.integration.fsdp_worker import (
     STEPS,
     TEMPERATURE,
@@ -28,6 +29,7 @@ from trainer.backends.fsdp import FSDPBackend
 from trainer.backends.fsdp_value import FSDPValueBackend
 from trainer.batch import MicroBatch, TrainSequence
 from trainer.parallel.strategy import parse_allocation
+from trainer.weights import ShardedWeights, serve_weight_passes
 
 AUX_LOSS_COEF = 0.05
 """Weight of the MoE router's balance loss under the archon backend: large enough to move it."""
@@ -77,6 +79,39 @@ def backend_settings(allocation: str) -> dict[str, Any]:
     return {}
 
 
+PUBLISH_BUCKET_BYTES = 64 << 10
+"""Buckets of the weight publish: small enough that the tiny models go in several."""
+
+
+def publish(backend: FSDPBackend, out: Path, model_dir: str | Path) -> Path:
+    """The weights published to disk as `rlgateway train` publishes them: rank 0 writes each
+    bucket as the ranks gather it, the other ranks serving the passes."""
+    if backend.rank == 0:
+        with ShardedWeights(backend) as weights:
+            save_shards(weights.buckets(PUBLISH_BUCKET_BYTES), out, Path(model_dir))
+    else:
+        serve_weight_passes(backend)
+    return out
+
+
+def check_published(rank0: dict[str, Any]) -> None:
+    """Rank 0's published directory holds its full state dict bit for bit, in several files
+    that transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    from engines.weights import read_dir
+
+    published, state = Path(rank0["published"]), rank0["state"]
+    files = sorted(published.glob("*.safetensors"))
+    assert len(files) > 1
+    assert (published / "model.safetensors.index.json").is_file()
+    on_disk = read_dir(published)
+    assert on_disk.keys() == state.keys()
+    assert all(torch.equal(on_disk[k], state[k]) for k in state)
+    loaded = AutoModelForCausalLM.from_pretrained(str(published), dtype=torch.float32)
+    assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
+
+
 def run(
     model_dir: str | Path,
     allocation: str,
@@ -98,6 +133,8 @@ def run(
         saved_state = {k: v.clone() for k, v in backend.full_state_dict().items()}
         result |= {"checkpoint": str(checkpoint), "saved_state": saved_state}
     stats.append(step(backend, seqs))
+    if checkpoint is not None:
+        result["published"] = str(publish(backend, checkpoint.parent / "published", model_dir))
     result |= {
         "world_size": backend.world_size,
         "dp_size": backend.dp_size,

@@ -8,12 +8,13 @@ splits the work among ranks itself. Losses are callbacks so that algorithms stay
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
 
+from engines.base import TensorMeta
 from trainer.batch import MicroBatch, TrainSequence
 
 LossFn = Callable[
@@ -81,6 +82,18 @@ class TrainBackend(Protocol):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded weights with Hugging Face names on CPU on rank 0; {} on other ranks."""
+        ...
+
+    def weight_metas(self) -> list[TensorMeta]:
+        """The name (Hugging Face), dtype and full shape of every weight, in the order of
+        `weight_buckets`; no communication."""
+        ...
+
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The full weights a bucket at a time (`trainer.weights.buckets_of(weight_metas(),
+        bucket_bytes)`), on CPU on rank 0, {} per bucket elsewhere; every rank iterates it to the
+        end together (each tensor is gathered from its shards as its bucket comes), so no rank
+        holds more than a bucket of full tensors at once. Equal to `full_state_dict`."""
         ...
 
     def save(self, path: str | Path) -> None:

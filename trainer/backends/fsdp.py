@@ -49,7 +49,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
@@ -69,6 +69,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
+from engines.base import TensorMeta
 from trainer.backends.base import EntropyMode, LossFn
 from trainer.backends.config import DATA_PARALLEL, check_context_attention, check_implemented
 from trainer.batch import (
@@ -93,6 +94,7 @@ from trainer.parallel.vocab import (
     vocab_shard,
 )
 from trainer.stats import merge_stats
+from trainer.weights import buckets_of, tensor_meta
 
 MixedPrecision = Literal["fp32", "bf16"]
 Schedule = Literal["constant", "linear", "cosine"]
@@ -478,6 +480,21 @@ class FSDPBackend:
     def _clip_grad_norm(self, max_norm: float) -> float:
         """Clips the gradients to `max_norm` and returns their norm before clipping."""
         return float(_local(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
+
+    def weight_metas(self) -> list[TensorMeta]:
+        return [tensor_meta(name, t) for name, t in self.model.state_dict().items()]
+
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        state = self.model.state_dict()  # this rank's shards (DTensors), HF names
+        for bucket in buckets_of([tensor_meta(name, t) for name, t in state.items()], bucket_bytes):
+            out: dict[str, torch.Tensor] = {}
+            for meta in bucket:
+                # gathered over its mesh (FSDP, tensor and expert shards), one at a time
+                full = _local(state[meta.name]).detach()
+                if self.rank == 0:  # a copy: an unsharded tensor is the live parameter
+                    out[meta.name] = full.to("cpu", copy=True)
+                del full
+            yield out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
