@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for a lent GPU machine (CI has none): the CUDA tests
-# (tests/integration/test_gpu.py) and, with --demo, a short `rlgateway demo` on CUDA.
+# (tests/integration/test_gpu.py); with 2 GPUs or more the parallel equality tests on NCCL (tensor,
+# context and expert parallel ranks against one process: the same tests CI runs on gloo, here
+# with a GPU per rank; 4-rank runs need 4 GPUs); and, with --demo, a short `rlgateway demo`.
 # The machine carries PyTorch; rlgateway's other dependencies travel as wheels in .whl/.
 set -o pipefail
 out=${OUT:-/tmp/gpu-check}; mkdir -p "$out"
@@ -15,6 +17,20 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 timeout 300 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
   -W ignore::DeprecationWarning -W ignore::UserWarning -W ignore::FutureWarning \
   tests/integration/test_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
+gpus=$(nvidia-smi -L | wc -l)
+parallel="tests/integration/test_tensor_parallel.py tests/integration/test_context_parallel.py
+  tests/integration/test_expert_parallel.py"
+if [ "$gpus" -ge 2 ]; then
+  only=""  # the 4-rank runs: d2t2, d2c2, c2t2, d4e2
+  [ "$gpus" -lt 4 ] && only="not d2t2 and not d2c2 and not c2t2 and not d4e2"
+  # shellcheck disable=SC2086
+  timeout 1200 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" -k "$only" \
+    -W ignore::DeprecationWarning -W ignore::UserWarning -W ignore::FutureWarning \
+    $parallel 2>&1 | tee "$out/parallel-tests.log" | tail -25
+else
+  echo "parallel equality tests on NCCL: a GPU per rank needed, $gpus GPU(s) here: not run" \
+    | tee "$out/parallel-tests.log"
+fi
 if [ "${1:-}" = "--demo" ]; then
   timeout 420 python3 -m rlgateway.cli demo --minutes "${DEMO_MINUTES:-3}" --out "$out/demo" 2>&1 \
     | grep -v "Loading\|Writing" | tee "$out/demo.log" | tail -60
