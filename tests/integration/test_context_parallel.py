@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engines.tiny_model import tiny_model_dir
-from tests.integration import cp_worker
+from tests.integration import cp_worker, tp_worker
 from tests.integration.fsdp_worker import STEPS
 from tests.support.torchrun import max_abs_diff, torchrun
 from trainer.backends.fsdp import FSDPBackend
@@ -92,18 +92,14 @@ def test_context_ranks_train_the_same_weights_as_one_process(run: Run) -> None:
         assert other == pytest.approx(one, rel=1e-5)
     assert all(r["stats"] == rank0["stats"] for r in ranks)
     # forward_logprobs: every rank has the full result, of every token
-    for r in ranks:
-        for ours, theirs in zip(one_process["logprobs"], r["logprobs"], strict=True):
-            assert len(theirs) == len(ours)
-            torch.testing.assert_close(torch.tensor(theirs), torch.tensor(ours), atol=ATOL, rtol=0)
+    tp_worker.check_scores_match(one_process, ranks, "logprobs", ATOL)
 
 
 def test_a_context_parallel_critic_matches_one_process(run: Run) -> None:
     one_process = run.one_process
     for r in run.ranks:
         assert r["critic_stats"] == pytest.approx(one_process["critic_stats"], rel=1e-5)
-        for ours, theirs in zip(one_process["critic_values"], r["critic_values"], strict=True):
-            torch.testing.assert_close(torch.tensor(theirs), torch.tensor(ours), atol=ATOL, rtol=0)
+    tp_worker.check_scores_match(one_process, run.ranks, "critic_values", ATOL)
 
 
 def test_heads_that_the_context_size_does_not_divide_are_refused(tiny_model: Path) -> None:

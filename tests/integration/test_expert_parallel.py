@@ -97,22 +97,11 @@ def test_expert_ranks_train_the_same_weights_as_one_process(run: Run, moe_model:
         assert other.keys() == one.keys() >= {"loss", "grad_norm", "moe_balance_loss"}
         assert other == pytest.approx(one, rel=1e-5)
     assert all(r["stats"] == ranks[0]["stats"] for r in ranks)
-    for r in ranks:
-        for ours, theirs in zip(one_process["logprobs"], r["logprobs"], strict=True):
-            torch.testing.assert_close(torch.tensor(theirs), torch.tensor(ours), atol=ATOL, rtol=0)
+    tp_worker.check_scores_match(one_process, ranks, "logprobs", ATOL)
 
 
 def test_an_expert_parallel_checkpoint_resumes_exactly_and_exports(run: Run) -> None:
-    from trainer.export import read_weights
-
-    rank0 = run.ranks[0]
-    assert rank0["resumed_stats"] == rank0["stats"][-1]  # bit for bit
-    a, b = rank0["state"], rank0["resumed_state"]
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    exported, saved = read_weights(Path(rank0["checkpoint"])), rank0["saved_state"]
-    assert exported.keys() == saved.keys()
-    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+    tp_worker.check_resumes_exactly(run.ranks[0])
 
 
 def test_expert_sharded_weights_are_published_a_bucket_at_a_time(run: Run) -> None:
@@ -124,8 +113,7 @@ def test_expert_sharded_weights_are_published_a_bucket_at_a_time(run: Run) -> No
 def test_an_expert_parallel_critic_matches_one_process(run: Run) -> None:
     for r in run.ranks:
         assert r["critic_stats"] == pytest.approx(run.one_process["critic_stats"], rel=1e-5)
-        for ours, theirs in zip(run.one_process["critic_values"], r["critic_values"], strict=True):
-            torch.testing.assert_close(torch.tensor(theirs), torch.tensor(ours), atol=ATOL, rtol=0)
+    tp_worker.check_scores_match(run.one_process, run.ranks, "critic_values", ATOL)
 
 
 def test_the_dispatch_computes_transformers_moe_layer(moe_model: Path) -> None:

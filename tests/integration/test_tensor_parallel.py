@@ -24,7 +24,6 @@ from engines.tiny_model import tiny_model_dir
 from tests.integration import tp_worker
 from tests.support.torchrun import max_abs_diff, torchrun
 from trainer.backends.fsdp import FSDPBackend
-from trainer.export import read_weights
 from trainer.parallel.strategy import parse_allocation
 
 pytestmark = pytest.mark.slow
@@ -132,21 +131,11 @@ def test_tensor_ranks_train_the_same_weights_as_one_process(run: Run) -> None:
         assert other == pytest.approx(one, rel=1e-5)
     assert all(r["stats"] == rank0["stats"] for r in ranks)
     # forward_logprobs: every rank has the full result
-    for r in ranks:
-        for ours, theirs in zip(one_process["logprobs"], r["logprobs"], strict=True):
-            torch.testing.assert_close(torch.tensor(theirs), torch.tensor(ours), atol=ATOL, rtol=0)
+    tp_worker.check_scores_match(one_process, ranks, "logprobs", ATOL)
 
 
 def test_a_tensor_parallel_checkpoint_resumes_exactly_and_exports(run: Run) -> None:
-    rank0 = run.ranks[0]
-    assert rank0["resumed_stats"] == rank0["stats"][-1]  # bit for bit
-    a, b = rank0["state"], rank0["resumed_state"]
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    # the export path reads the sharded DCP files in one process into the full weights
-    exported, saved = read_weights(Path(rank0["checkpoint"])), rank0["saved_state"]
-    assert exported.keys() == saved.keys()
-    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+    tp_worker.check_resumes_exactly(run.ranks[0])
 
 
 def test_tensor_sharded_weights_are_published_a_bucket_at_a_time(run: Run) -> None:
@@ -159,8 +148,7 @@ def test_a_tensor_parallel_critic_matches_one_process(run: Run) -> None:
     one_process = run.one_process
     for r in run.ranks:
         assert r["critic_stats"] == pytest.approx(one_process["critic_stats"], rel=1e-5)
-        for ours, theirs in zip(one_process["critic_values"], r["critic_values"], strict=True):
-            torch.testing.assert_close(torch.tensor(theirs), torch.tensor(ours), atol=ATOL, rtol=0)
+    tp_worker.check_scores_match(one_process, run.ranks, "critic_values", ATOL)
 
 
 def test_heads_that_the_tensor_size_does_not_divide_are_refused(tiny_model: Path) -> None:

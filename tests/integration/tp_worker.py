@@ -94,6 +94,29 @@ def publish(backend: FSDPBackend, out: Path, model_dir: str | Path) -> Path:
     return out
 
 
+def check_scores_match(
+    one_process: dict[str, Any], ranks: list[dict[str, Any]], key: str, atol: float
+) -> None:
+    """Every rank has the full `key` scores (logprobs, critic values) of one process's run."""
+    for r in ranks:
+        for ours, theirs in zip(one_process[key], r[key], strict=True):
+            torch.testing.assert_close(torch.tensor(theirs), torch.tensor(ours), atol=atol, rtol=0)
+
+
+def check_resumes_exactly(rank0: dict[str, Any]) -> None:
+    """The run resumed from its checkpoint took the last step bit for bit, and the export path
+    reads the sharded DCP files in one process into the full weights saved with it."""
+    from trainer.export import read_weights
+
+    assert rank0["resumed_stats"] == rank0["stats"][-1]
+    a, b = rank0["state"], rank0["resumed_state"]
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    exported, saved = read_weights(Path(rank0["checkpoint"])), rank0["saved_state"]
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+
+
 def check_published(rank0: dict[str, Any]) -> None:
     """Rank 0's published directory holds its full state dict bit for bit, in several files
     that transformers loads."""
