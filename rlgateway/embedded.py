@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.deps import Components
 from gateway.settings import GatewaySettings
@@ -26,9 +26,6 @@ from trainer.config import TrainConfig
 from trainer.loop import Trainer
 from trainer.publish import LocalPublisher, WeightPublisher
 from trainer.weights import Weights
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import itertools
 import logging
 import queue
 import threading
@@ -102,7 +103,7 @@ def _gather_pass(
     """One pass over `weights`, each bucket handed to the sender, then None; once `abandon` is
     set the rest of the pass is still read (a sharded trainer's other ranks gather each bucket
     with this one) but no longer handed over."""
-    for bucket in (*weights.buckets(bucket_bytes), None):
+    for bucket in itertools.chain(weights.buckets(bucket_bytes), [None]):
         while not abandon.is_set():
             try:
                 handoff.put(bucket, timeout=0.1)

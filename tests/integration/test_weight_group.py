@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from engines.base import (
     Broadcast,
@@ -124,6 +125,30 @@ def test_buckets_are_bounded_and_keep_the_order() -> None:
     assert len(buckets_of(metas, 1 << 20)) == 1  # the knob changes how many buckets go
 
 
+class LiveBucket(dict[str, torch.Tensor]):
+    """A bucket that counts how many of its kind are alive at once."""
+
+    live = 0
+    most = 0
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        LiveBucket.live += 1
+        LiveBucket.most = max(LiveBucket.most, LiveBucket.live)
+
+    def __del__(self) -> None:
+        LiveBucket.live -= 1
+
+
+class CountedWeights(StateDictWeights):
+    """A state dict whose buckets count themselves: the publisher must read them as it sends
+    them, not all first (a trainer's are gathered from its shards as they are read)."""
+
+    def buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        for bucket in super().buckets(bucket_bytes):
+            yield LiveBucket(bucket)
+
+
 async def test_sglang_and_vllm_receive_the_trainers_weights(tiny_model: Path) -> None:
     """Both servers join one gloo group (ranks 1 and 2) and end with exactly the trainer's
     tensors, twice over one group (the second version reuses it), in buckets of
@@ -135,7 +160,10 @@ async def test_sglang_and_vllm_receive_the_trainers_weights(tiny_model: Path) ->
         async with router_over(servers) as router:
             pub, fallback = publisher(router)
             assert await EngineSink(router).group_size() == (3, False)
-            assert await pub.publish(StateDictWeights(v1), 1) == 1
+            LiveBucket.most = 0
+            assert await pub.publish(CountedWeights(v1), 1) == 1
+            # at most one bucket read ahead, one waiting and one being sent
+            assert 1 <= LiveBucket.most <= 3 < len(buckets)
             sender = pub._sender
             assert router.weight_group_intact()
             for server in servers:
