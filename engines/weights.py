@@ -126,7 +126,7 @@ def save_shards(
         save_file(tensors, str(files[-1]), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(tensors, files[-1].name)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
-        del tensors
+        del shard, tensors  # one bucket in memory at a time: gone before the next is read
     if len(files) == 1:
         files[0].rename(tmp / "model.safetensors")
     else:

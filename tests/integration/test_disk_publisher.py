@@ -15,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from tests.support.live_weights import CountedWeights, LiveBucket
 from trainer.publish import DiskPublisher, GatewayAdmin
 from trainer.weights import StateDictWeights
 
@@ -158,7 +159,9 @@ async def test_publish_bucket_mb_sets_the_files_a_version_is_written_in(
     async with serve(app, port):
         admin = GatewayAdmin(f"http://127.0.0.1:{port}", "t", retry_seconds=5)
         pub = DiskPublisher(tmp_path / "w", tiny_model, admin, bucket_bytes=bucket_bytes)
-        assert await pub.publish(StateDictWeights(state), 1) == 1
+        LiveBucket.most = 0
+        assert await pub.publish(CountedWeights(state), 1) == 1
+        assert LiveBucket.most == 1  # each bucket written as it comes
     out = tmp_path / "w" / "v1"
     files = len(buckets_of(StateDictWeights(state).metas(), bucket_bytes))
     assert files == (1 if bucket_mb == 512.0 else 4)  # the 1.8 MiB tiny model

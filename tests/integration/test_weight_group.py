@@ -21,7 +21,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from engines.base import (
     Broadcast,
@@ -43,6 +42,7 @@ from tests.integration.gateway_server import run_gateway
 from tests.integration.test_training_processes import drive, run_config
 from tests.support.fake_sglang import FakeServer, run_fake_sglang, weights_digest
 from tests.support.fake_vllm import run_fake_vllm
+from tests.support.live_weights import CountedWeights, LiveBucket
 from tests.support.perturb import perturbed, perturbed_dir
 from trainer.collective import CollectivePublisher, EngineSink
 from trainer.config import TrainConfig
@@ -123,30 +123,6 @@ def test_buckets_are_bounded_and_keep_the_order() -> None:
     assert [[t.name for t in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
     assert [t for b in buckets for t in b] == metas
     assert len(buckets_of(metas, 1 << 20)) == 1  # the knob changes how many buckets go
-
-
-class LiveBucket(dict[str, torch.Tensor]):
-    """A bucket that counts how many of its kind are alive at once."""
-
-    live = 0
-    most = 0
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        LiveBucket.live += 1
-        LiveBucket.most = max(LiveBucket.most, LiveBucket.live)
-
-    def __del__(self) -> None:
-        LiveBucket.live -= 1
-
-
-class CountedWeights(StateDictWeights):
-    """A state dict whose buckets count themselves: the publisher must read them as it sends
-    them, not all first (a trainer's are gathered from its shards as they are read)."""
-
-    def buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        for bucket in super().buckets(bucket_bytes):
-            yield LiveBucket(bucket)
 
 
 async def test_sglang_and_vllm_receive_the_trainers_weights(tiny_model: Path) -> None:
