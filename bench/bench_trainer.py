@@ -62,7 +62,9 @@ def backend_stepper(
     backend = FSDPBackend(model_dir, lr=1e-5, attention=attention)  # type: ignore[arg-type]
     norm = float(sum(s.num_loss_tokens for s in seqs))
 
-    def loss_fn(logp_1T: torch.Tensor, mb: Any, n: float) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(
+        logp_1T: torch.Tensor, mb: Any, n: float, entropy_1T: Any = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         return pg_loss(logp_1T, mb.advantages_1T, mb.loss_mask_1T.float(), n), {}
 
     def step() -> None:
