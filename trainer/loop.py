@@ -364,7 +364,9 @@ class Trainer:
                     "value_loss": value.pop("loss"),
                     "critic_grad_norm": value.pop("grad_norm"),
                     "critic_lr": value.pop("lr"),
-                    **value,
+                    # the critic's own stats; one the policy reports too is the critic's by name
+                    # (an MoE critic's router statistics: critic_moe_balance_loss)
+                    **{(f"critic_{k}" if k in stats else k): v for k, v in value.items()},
                 }
             updates.append((n_tokens, stats))
         return merge_update_stats(updates) | {"minibatches": float(len(parts))}

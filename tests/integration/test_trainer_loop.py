@@ -387,6 +387,8 @@ def test_trainer_under_torchrun_with_two_processes(
     # the MoE backend reports its router: balance loss and the least and most loaded expert
     router = {"moe_balance_loss", "moe_load_min", "moe_load_max"}
     assert all((router <= r.keys()) == moe for r in rows)
+    # ... and so does its MoE critic, under the critic's name
+    assert all(("critic_moe_balance_loss" in r) == moe for r in rows)
     assert all(r["moe_load_min"] <= 1.0 <= r["moe_load_max"] for r in rows if moe)
 
 
