@@ -68,6 +68,10 @@ async def test_a_run_config_is_the_trainers_and_a_bad_one_says_which_key(
             ({"optim": {"lrr": 1}}, "config.optim.lrr: unknown key (known here: lr,"),
             ({"algo": {"eps_low": 2}}, "config: algo.eps_low: Input should be less than 1"),
             ({"batch_size": 3, "group_size": 2}, "must be a multiple of group_size"),
+            ({"backend": "archon:t2"}, "archon: tensor parallel is not implemented yet"),
+            ({"backend": "fsdp:d2e4"}, "expert size 4 must divide data x context = 2"),
+            ({"moe": {"aux_loss_coef": 0.1}}, "moe settings act under the archon backend"),
+            ({"moe": {"coef": 0.1}}, "config.moe.coef: unknown key (known here: aux_loss_coef)"),
         ):
             r = await c.http.post("/runs", json={"name": "x", "config": config}, headers=ADMIN)
             assert r.status_code == 400, r.text
