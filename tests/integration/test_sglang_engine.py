@@ -190,7 +190,8 @@ async def test_weights_over_a_process_group(tiny_model: Path, trained_dir: Path)
     gloo where SGLang uses NCCL, with SGLang's store layout."""
     from safetensors.torch import load_file
 
-    from trainer.collective import GroupSender, buckets_of, tensor_meta
+    from trainer.collective import GroupSender
+    from trainer.weights import buckets_of, tensor_meta
 
     state = load_file(str(trained_dir / "model.safetensors"))
     names = sorted(state)
