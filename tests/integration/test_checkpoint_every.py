@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from store import Store
 from tests.integration.test_trainer_loop import (
@@ -21,6 +20,7 @@ from tests.integration.test_trainer_loop import (
 from trainer import checkpoint
 from trainer.backends.registry import build_backend
 from trainer.loop import Trainer
+from trainer.weights import Weights
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ class Engines:
         self.version = 0
         self.published: list[int] = []
 
-    async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+    async def publish(self, weights: Weights, version: int) -> int:
         if version == self.version:
             return version
         assert version > self.version, "versions only grow"
