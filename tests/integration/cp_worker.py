@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tests.integration import tp_worker
+from tests.integration import fsdp_worker, tp_worker
 from trainer.batch import TrainSequence
 
 LENGTHS = (13, 30, 7, 19, 25, 5, 61, 9, 16, 3)
@@ -31,27 +31,11 @@ LENGTHS = (13, 30, 7, 19, 25, 5, 61, 9, 16, 3)
 
 
 def make_sequences(seed: int = 0) -> list[TrainSequence]:
-    """Prompt-then-response sequences with +-1 advantages on the response tokens, sampled at 0.7
-    then, from their middle on, at 1.1."""
-    gen = torch.Generator().manual_seed(seed)
-    seqs = []
-    for k, n in enumerate(LENGTHS):
-        tokens = torch.randint(0, 256, (n,), generator=gen).tolist()
-        prompt = max(1, n // 3)
-        mask = [0] * prompt + [1] * (n - prompt)
-        sign = 1.0 if k % 2 else -1.0
-        behav = (-3.0 - torch.rand(n, generator=gen)).tolist()
-        seqs.append(
-            TrainSequence(
-                tokens=tokens,
-                loss_mask=mask,
-                behav_logprobs=[b * m for b, m in zip(behav, mask, strict=True)],
-                advantages=[sign * m for m in mask],
-                versions=[0 if m else -1 for m in mask],
-                temperatures=[0.7 if t < n // 2 else 1.1 for t in range(n)],
-            )
-        )
-    return seqs
+    """`fsdp_worker.make_sequences` of `LENGTHS`, sampled at 0.7 then, from their middle on, at
+    1.1."""
+    return fsdp_worker.make_sequences(
+        seed, LENGTHS, lambda n: [0.7 if t < n // 2 else 1.1 for t in range(n)]
+    )
 
 
 def run(model_dir: str | Path, allocation: str) -> dict[str, Any]:

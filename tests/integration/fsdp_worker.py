@@ -10,7 +10,7 @@ and two can be compared.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +50,16 @@ def build_backend(
     return backend
 
 
-def make_sequences(seed: int = 0) -> list[TrainSequence]:
-    """Prompt-then-response sequences with +-1 advantages on the response tokens."""
+def make_sequences(
+    seed: int = 0,
+    lengths: Sequence[int] = LENGTHS,
+    temperatures: Callable[[int], list[float]] | None = None,
+) -> list[TrainSequence]:
+    """Prompt-then-response sequences of `lengths` with +-1 advantages on the response tokens;
+    with `temperatures`, each sequence's per-token temperatures (a function of its length)."""
     gen = torch.Generator().manual_seed(seed)
     seqs = []
-    for k, n in enumerate(LENGTHS):
+    for k, n in enumerate(lengths):
         tokens = torch.randint(0, 256, (n,), generator=gen).tolist()
         prompt = max(1, n // 3)
         mask = [0] * prompt + [1] * (n - prompt)
@@ -67,6 +72,7 @@ def make_sequences(seed: int = 0) -> list[TrainSequence]:
                 behav_logprobs=[b * m for b, m in zip(behav, mask, strict=True)],
                 advantages=[sign * m for m in mask],
                 versions=[0 if m else -1 for m in mask],
+                temperatures=None if temperatures is None else temperatures(n),
             )
         )
     return seqs
