@@ -173,6 +173,14 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     return bins
 
 
+def data_shards(lengths: Sequence[int], data_size: int) -> list[list[int]]:
+    """The indices of the sequences (of these `lengths`) that each of `data_size` data ranks
+    trains on: longest first (ties by index), rank r taking every `data_size`-th from r, so every
+    rank gets a similar number of tokens and every rank can compute every rank's share."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[r::data_size] for r in range(data_size)]
+
+
 def split_minibatches(lengths: Sequence[int], n: int) -> list[list[int]]:
     """The PPO mini-batches of a batch of sequences of these `lengths`: min(n, len) groups of
     indices, balanced by tokens (longest first, ties by index, each into the group with the fewest

@@ -26,6 +26,7 @@ from trainer.backends.config import (
     ArchonBackendConfig,
     BackendConfig,
     FSDPBackendConfig,
+    MegatronBackendConfig,
     check_context_attention,
     check_implemented,
 )
@@ -145,8 +146,9 @@ class TrainConfig(RunConfig):
     each layer over 2 tensor ranks, data parallel over the rest (`fsdp:d2t2`: 4 ranks); `fsdp:c2`
     splits each packed row's tokens over 2 context ranks (Ulysses, with the varlen attention;
     `fsdp:d2c2`, `fsdp:c2t2`: 4 ranks); `archon` trains MoE models, `archon:e2` with their
-    experts split over groups of 2 data ranks (expert parallel; `moe` has its settings).
-    Pipeline sizes (`p`) parse but are refused: no backend implements them yet."""
+    experts split over groups of 2 data ranks (expert parallel; `moe` has its settings);
+    `megatron` trains on megatron-core (`pip install -e '.[megatron]'`, CUDA GPUs), tensor and
+    pipeline parallel: `megatron:t2p2` on 4 ranks, `megatron:d1t2p2` exactly so."""
     algorithm: str = "grpo"
     """A preset: ppo, grpo, dapo, rloo, gspo, dr_grpo, reinforce_pp."""
     algo: dict[str, Any] = Field(default_factory=dict)
@@ -202,6 +204,17 @@ class TrainConfig(RunConfig):
         algo = self.algorithm_config()  # a bad preset or knob fails at load time
         allocation = parse_allocation(self.backend)
         check_context_attention(allocation, self.optim.attention)
+        if allocation.backend == "megatron":
+            if "attention" in self.optim.model_fields_set:
+                raise ValueError(
+                    "optim.attention picks the Hugging Face model's kernel (fsdp, archon); the "
+                    "megatron backend runs megatron-core's attention: drop optim.attention"
+                )
+            if algo.use_critic:
+                raise ValueError(
+                    f"algorithm {self.algorithm!r} trains a critic, which the megatron backend "
+                    "does not build: use fsdp for it, or a critic-free algorithm (grpo, ...)"
+                )
         if self.moe != MoEConfig() and allocation.backend != "archon":
             raise ValueError(
                 f"moe settings act under the archon backend (MoE models) only; backend is "
@@ -249,9 +262,11 @@ class TrainConfig(RunConfig):
             mixed_precision=o.mixed_precision,
             gradient_checkpointing=o.gradient_checkpointing,
             seed=o.seed,
-            attention=o.attention,
             allocation=allocation,
         )
+        if allocation.backend == "megatron":
+            return MegatronBackendConfig(**settings)
+        settings["attention"] = o.attention
         if allocation.backend == "archon":
             return ArchonBackendConfig(**settings, aux_loss_coef=self.moe.aux_loss_coef)
         return FSDPBackendConfig(**settings)

@@ -31,9 +31,10 @@ micro-batches (rank 0: 3, rank 1: 2), so rank 1 runs an empty pass."""
 
 def build_backend(
     model_dir: str | Path, allocation: str = "fsdp", *, value: bool = False, **extra: Any
-) -> FSDPBackend:
+) -> Any:
     """The backend that `allocation` names (a warmup and cosine schedule, so resume must restore
-    the LR), or with `value` its critic; `extra` are the backend's own settings."""
+    the LR), or with `value` its critic; `extra` are the backend's own settings. An FSDP backend
+    (or subclass), or a `MegatronBackend`."""
     classes = VALUE_BACKEND_CLASSES if value else BACKEND_CLASSES
     backend = classes[parse_allocation(allocation).backend](
         model_dir,
@@ -46,7 +47,6 @@ def build_backend(
         allocation=parse_allocation(allocation),
         **extra,
     )
-    assert isinstance(backend, FSDPBackend)
     return backend
 
 

@@ -140,11 +140,13 @@ def run(
     allocation: str,
     checkpoint: Path | None,
     seqs: list[TrainSequence] | None = None,
+    *,
+    critic: bool = True,
 ) -> dict[str, Any]:
     """`STEPS` steps of the policy on `seqs` (default `make_sequences()`), its logprobs and
-    weights after them, then one step of a critic and its values. With a `checkpoint`, one saved
-    (with the full state dict) before the last step, and the last step again from it in a new
-    backend."""
+    weights after them, then (with `critic`) one step of a critic and its values. With a
+    `checkpoint`, one saved (with the full state dict) before the last step, and the last step
+    again from it in a new backend."""
     seqs = make_sequences() if seqs is None else seqs
     extra = backend_settings(allocation)
     backend = build_backend(model_dir, allocation, **extra)
@@ -173,14 +175,16 @@ def run(
         result["resumed_stats"] = step(resumed, seqs)
         result["resumed_state"] = resumed.full_state_dict()
         del resumed
+    if not critic:
+        return result
 
-    critic = build_backend(model_dir, allocation, value=True, **extra)
-    assert isinstance(critic, FSDPValueBackend)
+    value = build_backend(model_dir, allocation, value=True, **extra)
+    assert isinstance(value, FSDPValueBackend)
     norm = float(sum(s.num_loss_tokens for s in seqs))
-    result["critic_stats"] = critic.train_step(
+    result["critic_stats"] = value.train_step(
         seqs, value_loss, temperature=1.0, token_budget=TOKEN_BUDGET, global_norm=norm
     )
-    result["critic_values"] = critic.forward_values(seqs, token_budget=TOKEN_BUDGET)
+    result["critic_values"] = value.forward_values(seqs, token_budget=TOKEN_BUDGET)
     return result
 
 

@@ -1,6 +1,7 @@
 """Typed settings of the training backends (pydantic; imports no torch, so configs load fast).
 
-A backend config is a union discriminated on `type`: `fsdp` (dense models) and `archon` (MoE).
+A backend config is a union discriminated on `type`: `fsdp` (dense models), `archon` (MoE) and
+`megatron` (dense models on megatron-core, an optional extra).
 Every backend trains with an `Allocation` (`trainer.parallel.strategy`): `IMPLEMENTED` says which
 backends exist and which parallel dimensions each implements, and `check_implemented` refuses the
 rest when the config loads, never ignoring a size it cannot honour.
@@ -17,12 +18,14 @@ from trainer.parallel.strategy import DIMENSIONS, Allocation
 IMPLEMENTED: dict[str, tuple[str, ...]] = {
     "fsdp": ("data", "tensor", "context"),
     "archon": ("data", "expert"),
+    "megatron": ("data", "tensor", "pipeline"),
 }
 """Backend -> the `ParallelStrategy` sizes it implements; a backend not here does not exist yet.
 FSDP2 is data parallel, tensor parallel (DTensor, `trainer.parallel.tensor`) inside each data
 rank, and context parallel (Ulysses, `trainer.parallel.ulysses`, around the varlen attention).
 The MoE backend, archon, is FSDP2 data parallel with expert parallelism folded into the data
-ranks (`trainer.parallel.expert`). Pipeline parallelism is not implemented."""
+ranks (`trainer.parallel.expert`). The megatron backend is megatron-core's tensor and pipeline
+parallelism with data parallelism around them (`trainer.backends.megatron`)."""
 
 DATA_PARALLEL = Allocation(backend="fsdp")
 """A bare `fsdp`: FSDP2 data parallel over every rank."""
@@ -87,9 +90,6 @@ class _BackendSettings(BaseModel):
     """Recompute activations in backward to save memory."""
     seed: int = 0
     """Seed of torch's global RNG in every rank."""
-    attention: Literal["varlen", "sdpa", "eager", "flash_attention_2"] = "varlen"
-    """Attention kernel of packed rows: varlen (per-sequence SDPA, `trainer.attention`), sdpa or
-    eager (one block-diagonal mask over the whole row), or flash_attention_2 (GPU, if installed)."""
 
     allocation: Allocation = DATA_PARALLEL
     """The backend and its parallel strategy (a string such as `fsdp`, `fsdp:d4`, `fsdp:d2t2`,
@@ -109,11 +109,23 @@ class _BackendSettings(BaseModel):
                 f"warmup_steps ({self.warmup_steps}) exceeds total_steps ({self.total_steps}): "
                 "raise total_steps or shorten the warmup"
             )
+        return self
+
+
+class _HFBackendSettings(_BackendSettings):
+    """The settings of the backends that train the Hugging Face model itself (fsdp, archon)."""
+
+    attention: Literal["varlen", "sdpa", "eager", "flash_attention_2"] = "varlen"
+    """Attention kernel of packed rows: varlen (per-sequence SDPA, `trainer.attention`), sdpa or
+    eager (one block-diagonal mask over the whole row), or flash_attention_2 (GPU, if installed)."""
+
+    @model_validator(mode="after")
+    def _check_attention(self) -> _HFBackendSettings:
         check_context_attention(self.allocation, self.attention)
         return self
 
 
-class FSDPBackendConfig(_BackendSettings):
+class FSDPBackendConfig(_HFBackendSettings):
     """Settings of `trainer.backends.fsdp.FSDPBackend`: data, tensor and context parallelism (the
     last with the varlen attention)."""
 
@@ -121,7 +133,7 @@ class FSDPBackendConfig(_BackendSettings):
     """Backend kind."""
 
 
-class ArchonBackendConfig(_BackendSettings):
+class ArchonBackendConfig(_HFBackendSettings):
     """Settings of `trainer.backends.archon.ArchonBackend`, the MoE backend: data and expert
     parallelism, and the router's balance loss."""
 
@@ -135,5 +147,20 @@ class ArchonBackendConfig(_BackendSettings):
     as a metric only."""
 
 
-BackendConfig = Annotated[FSDPBackendConfig | ArchonBackendConfig, Field(discriminator="type")]
+class MegatronBackendConfig(_BackendSettings):
+    """Settings of `trainer.backends.megatron.MegatronBackend`: data, tensor and pipeline
+    parallelism on megatron-core (attention is megatron-core's, over a block-diagonal mask).
+    `gradient_checkpointing` recomputes every layer (megatron-core's full recompute),
+    `mixed_precision: bf16` computes under bfloat16 autocast over float32 weights."""
+
+    type: Literal["megatron"] = "megatron"
+    """Backend kind."""
+    allocation: Allocation = Allocation(backend="megatron")
+    """As for every backend: `megatron:t2` splits each layer over 2 tensor ranks, `megatron:p2`
+    the layers over 2 pipeline stages, `megatron:d2t2p2` both, twice over (8 ranks)."""
+
+
+BackendConfig = Annotated[
+    FSDPBackendConfig | ArchonBackendConfig | MegatronBackendConfig, Field(discriminator="type")
+]
 """Every backend's config, discriminated on `type`."""

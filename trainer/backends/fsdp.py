@@ -75,6 +75,7 @@ from trainer.backends.config import DATA_PARALLEL, check_context_attention, chec
 from trainer.batch import (
     MicroBatch,
     TrainSequence,
+    data_shards,
     pack,
     plan_micro_batches,
     token_entropy,
@@ -316,8 +317,7 @@ class FSDPBackend:
 
     def _shards(self, seqs: Sequence[TrainSequence]) -> list[list[int]]:
         """Indices into `seqs` that each data rank trains on (its tensor ranks all do)."""
-        order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i]), i))
-        return [order[r :: self.dp_size] for r in range(self.dp_size)]
+        return data_shards([len(s) for s in seqs], self.dp_size)
 
     def _micro_batch_count(self, seqs: Sequence[TrainSequence], token_budget: int) -> int:
         """Micro-batches of the busiest rank: the number of passes every rank runs."""

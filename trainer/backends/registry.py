@@ -10,10 +10,12 @@ from trainer.backends.base import TrainBackend, ValueBackend
 from trainer.backends.config import BackendConfig
 from trainer.backends.fsdp import FSDPBackend
 from trainer.backends.fsdp_value import FSDPValueBackend
+from trainer.backends.megatron import MegatronBackend
 
 BACKEND_CLASSES: dict[str, Callable[..., TrainBackend]] = {
     "fsdp": FSDPBackend,
     "archon": ArchonBackend,
+    "megatron": MegatronBackend,
 }
 """Backend classes by config `type`; each takes its config's fields (less `type`) as arguments."""
 
