@@ -210,6 +210,11 @@ class TrainConfig(RunConfig):
                     "optim.attention picks the Hugging Face model's kernel (fsdp, archon); the "
                     "megatron backend runs megatron-core's attention: drop optim.attention"
                 )
+            if self.optim.mixed_precision != "fp32":
+                raise ValueError(
+                    "the megatron backend trains in fp32 (its bf16 path is not implemented): "
+                    "set optim.mixed_precision to fp32, or use fsdp"
+                )
             if algo.use_critic:
                 raise ValueError(
                     f"algorithm {self.algorithm!r} trains a critic, which the megatron backend "

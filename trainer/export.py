@@ -89,8 +89,14 @@ def base_model_of(ckpt: Path, model: Path | None = None) -> Path:
 
 def read_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     """The policy's full weights in checkpoint `ckpt`: Hugging Face names, the saved dtype, CPU
-    (what `TrainBackend.full_state_dict` returned when it was saved)."""
+    (what `TrainBackend.full_state_dict` returned when it was saved). A Megatron backend's
+    checkpoint is converted back from its tensor and pipeline shards."""
     import torch
+
+    from trainer.backends.megatron import hf_weights, is_megatron_checkpoint
+
+    if is_megatron_checkpoint(ckpt):
+        return hf_weights(ckpt)
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load

@@ -1,5 +1,6 @@
 """The Megatron backend's runs under torchrun, on CPU through the test harness
-(tests/support/megatron_cpu.py), compared with the FSDP backend's in tests/integration/test_megatron.py.
+(tests/support/megatron_cpu.py), compared with the FSDP backend's in
+tests/integration/test_megatron.py.
 
 From the repository root, `PYTHONPATH=. python -m torch.distributed.run --nproc-per-node 2
 tests/integration/megatron_worker.py MODEL OUT ALLOC` writes each rank's result to OUT/rank{r}.pt:
@@ -53,6 +54,30 @@ def logit_errors(model_dir: str, allocation: str) -> list[float]:
     return errors
 
 
+def knobs(model_dir: str, out: str) -> None:
+    """One step with and without `gradient_checkpointing` (counting decoder-layer forwards), into
+    OUT/knobs.pt."""
+    seqs = make_sequences()
+    result: dict[str, Any] = {}
+    for name, settings in {
+        "plain": {},
+        "recompute": {"gradient_checkpointing": True},
+    }.items():
+        backend = build_backend(model_dir, "megatron", **settings)
+        calls = [0]
+
+        def count(*_: Any, calls: list[int] = calls) -> None:
+            calls[0] += 1
+
+        for layer in backend.stage.module.decoder.layers:
+            layer.register_forward_hook(count)
+        stats = tp_worker.step(backend, seqs)
+        result[name] = {"stats": stats, "layer_forwards": calls[0]}
+        result[name]["logprobs"] = backend.forward_logprobs(seqs, 0.7, token_budget=TOKEN_BUDGET)
+        del backend
+    torch.save(result, Path(out) / "knobs.pt")
+
+
 def main(model_dir: str, out: str, allocation: str) -> None:
     import torch.distributed as dist
 
@@ -62,4 +87,7 @@ def main(model_dir: str, out: str, allocation: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "knobs":
+        knobs(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])

@@ -47,7 +47,9 @@ def install() -> None:
     global _installed
     if _installed or torch.cuda.is_available():
         return
-    import megatron.core
+    from trainer.backends.megatron import import_megatron
+
+    core = import_megatron()
     from megatron.core.tensor_parallel import random as rng
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
@@ -63,5 +65,5 @@ def install() -> None:
     rng._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     rng._set_cuda_rng_state = lambda *args, **kwargs: None
     _CpuDevices().__enter__()
-    megatron.core._rlgateway_cpu_shim = True  # type: ignore[attr-defined]
+    core._rlgateway_cpu_shim = True
     _installed = True

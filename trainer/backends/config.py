@@ -150,11 +150,13 @@ class ArchonBackendConfig(_HFBackendSettings):
 class MegatronBackendConfig(_BackendSettings):
     """Settings of `trainer.backends.megatron.MegatronBackend`: data, tensor and pipeline
     parallelism on megatron-core (attention is megatron-core's, over a block-diagonal mask).
-    `gradient_checkpointing` recomputes every layer (megatron-core's full recompute),
-    `mixed_precision: bf16` computes under bfloat16 autocast over float32 weights."""
+    `gradient_checkpointing` recomputes every layer (megatron-core's full recompute); training
+    is float32 (bf16 is not implemented for it)."""
 
     type: Literal["megatron"] = "megatron"
     """Backend kind."""
+    mixed_precision: Literal["fp32"] = "fp32"
+    """float32 weights and compute (megatron-core's bf16 path is not implemented here)."""
     allocation: Allocation = Allocation(backend="megatron")
     """As for every backend: `megatron:t2` splits each layer over 2 tensor ranks, `megatron:p2`
     the layers over 2 pipeline stages, `megatron:d2t2p2` both, twice over (8 ranks)."""

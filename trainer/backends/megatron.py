@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -78,14 +79,24 @@ LAYOUT_KEY = "megatron_layout"
 """`trainer_state.json`'s record of the checkpoint's `Layout`."""
 
 
+MEGATRON = Allocation(backend="megatron")
+"""A bare `megatron`: data parallel over every rank, no tensor or pipeline split."""
+
+
 def _shard_file(path: Path, rank: int, stage: int) -> Path:
     return path / f"megatron-t{rank}-p{stage}.pt"
 
 
 def import_megatron() -> Any:
-    """megatron.core, or ImportError saying how to install it."""
+    """megatron.core with the parts the backend uses, or ImportError saying how to install it.
+    Their import warns that Apex and Transformer Engine are missing (the local layer spec needs
+    neither) and that torch.jit is deprecated: those warnings are silenced here, once."""
     try:
-        import megatron.core
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import megatron.core
+            import megatron.core.models.gpt
+            import megatron.core.pipeline_parallel
     except ImportError as exc:
         raise ImportError(
             "the megatron backend needs megatron-core: pip install -e '.[megatron]'"
@@ -101,8 +112,8 @@ class _LazyTensors(Mapping[str, torch.Tensor]):
 
         self._files: dict[str, Any] = {}
         for f in sorted(model_dir.glob("*.safetensors")):
-            handle = safe_open(str(f), framework="pt")
-            for key in handle.keys():
+            handle: Any = safe_open(str(f), framework="pt")
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 self._files[key] = handle
         if not self._files:
             raise ValueError(f"{model_dir} holds no *.safetensors weights")
@@ -134,7 +145,7 @@ class MegatronBackend:
         mixed_precision: MixedPrecision = "fp32",
         gradient_checkpointing: bool = False,
         seed: int = 0,
-        allocation: Allocation = Allocation(backend="megatron"),
+        allocation: Allocation = MEGATRON,
     ) -> None:
         from transformers import AutoConfig
 
@@ -143,15 +154,13 @@ class MegatronBackend:
 
         if lr <= 0 or total_steps < 1 or warmup_steps < 0:
             raise ValueError("lr must be positive, total_steps >= 1 and warmup_steps >= 0")
-        if mixed_precision not in ("fp32", "bf16"):
-            raise ValueError(f"mixed_precision must be fp32 or bf16, not {mixed_precision!r}")
-        check_implemented(allocation)
-        cuda = torch.cuda.is_available()
-        if not cuda and not getattr(core, "_rlgateway_cpu_shim", False):
-            raise RuntimeError(
-                "the megatron backend runs on CUDA GPUs (megatron-core calls torch.cuda "
-                "directly); on a CPU train with fsdp"
+        if mixed_precision != "fp32":
+            raise ValueError(
+                f"the megatron backend trains in fp32; mixed_precision {mixed_precision!r} is not "
+                "implemented (megatron-core's bf16 needs its Float16Module and distributed "
+                "optimizer): use fp32, or fsdp for bf16"
             )
+        check_implemented(allocation)
         self.model_dir = Path(model_dir)
         config = AutoConfig.from_pretrained(str(model_dir))
         strategy = allocation.strategy
@@ -162,6 +171,12 @@ class MegatronBackend:
                 "first and the last stage); this model ties them: use tensor parallel only"
             )
         self.layout = layout
+        cuda = torch.cuda.is_available()
+        if not cuda and not getattr(core, "_rlgateway_cpu_shim", False):
+            raise RuntimeError(
+                "the megatron backend runs on CUDA GPUs (megatron-core calls torch.cuda "
+                "directly); on a CPU train with fsdp"
+            )
 
         device_type = "cuda" if cuda else "cpu"
         if cuda:
@@ -170,7 +185,9 @@ class MegatronBackend:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         self.rank, self.world_size = init_distributed(device_type)
         self.strategy = allocation.for_world(self.world_size)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        )
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=layout.tensor,
@@ -208,9 +225,9 @@ class MegatronBackend:
         }
         missing, unexpected = stage.module.load_state_dict(weights, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
-        assert not missing and not unexpected, (missing, unexpected)
+        assert not missing, missing
+        assert not unexpected, unexpected
         self.stage = stage.to(self.device)
-        self.autocast = mixed_precision == "bf16"
 
         self.grad_clip = grad_clip
         self.optimizer = torch.optim.AdamW(
@@ -227,8 +244,7 @@ class MegatronBackend:
         from trainer.megatron.model import packed_mask
 
         mask = packed_mask(mb.position_ids_1T)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return self.stage(mb.input_ids_1T, mb.position_ids_1T, mask)  # type: ignore[no-any-return]
+        return self.stage(mb.input_ids_1T, mb.position_ids_1T, mask)  # type: ignore[no-any-return]
 
     def _per_position(
         self, logits_T1V: torch.Tensor, mb: MicroBatch, temperature: float, entropy: EntropyMode
@@ -249,9 +265,7 @@ class MegatronBackend:
                 return logp, vocab_parallel_entropy(source, self.vocab, temp)
             return logp, token_entropy(source, temp)
 
-    def _run(
-        self, micro: list[MicroBatch], loss_of: Any, *, forward_only: bool
-    ) -> None:
+    def _run(self, micro: list[MicroBatch], loss_of: Any, *, forward_only: bool) -> None:
         """megatron-core's schedule over `micro`: forward (and backward) through the stages,
         `loss_of(logits, mb)` -> (loss, stats) on the last stage."""
         if not micro:
@@ -326,7 +340,9 @@ class MegatronBackend:
             raise ValueError("train_step needs at least one sequence")
         if global_norm <= 0:
             raise ValueError(f"global_norm must be positive, got {global_norm}")
-        micro = [mb.to(self.device) for mb in pack([seqs[i] for i in self._mine(seqs)], token_budget)]
+        micro = [
+            mb.to(self.device) for mb in pack([seqs[i] for i in self._mine(seqs)], token_budget)
+        ]
         records: list[tuple[int, float, dict[str, float]]] = []
 
         def loss_of(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -355,12 +371,21 @@ class MegatronBackend:
         return merge_stats(parts, summed={"loss"}) | {"grad_norm": grad_norm, "lr": lr}
 
     def _reduce_gradients(self) -> None:
-        """Every parameter's gradient summed over the data ranks (zeros where a rank had none)."""
-        for p in self.stage.parameters():
+        """Every parameter's gradient summed over the data ranks (zeros where a rank had none),
+        and the q/k norms' over the tensor ranks: a tensor rank's q/k norm (one weight shared by
+        every head) sees only its own heads (megatron-core's `finalize_model_grads` does the
+        same)."""
+        named = list(self.stage.module.named_parameters())
+        for _, p in named:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self.layout.tensor > 1 and self.layout.qk_norm:
+            for name, p in named:
+                if "q_layernorm" in name or "k_layernorm" in name:
+                    assert p.grad is not None
+                    dist.all_reduce(p.grad, group=self._tp_group)
         if self.dp_size > 1:
-            for p in self.stage.parameters():
+            for _, p in named:
                 assert p.grad is not None
                 dist.all_reduce(p.grad, group=self._dp_group)
 
@@ -391,7 +416,9 @@ class MegatronBackend:
         for stage in range(self.layout.pipeline):
             for name in megatron_names(self.layout, stage):
                 shape = full_shape(self.layout, name)
-                for hf_name, t in to_hf(self.layout, name, stage, torch.empty(shape, device="meta")).items():
+                for hf_name, t in to_hf(
+                    self.layout, name, stage, torch.empty(shape, device="meta")
+                ).items():
                     out.append((TensorMeta(hf_name, "float32", tuple(t.shape)), name, stage))
         return out
 
@@ -449,12 +476,22 @@ class MegatronBackend:
         path = Path(path)
         if self.dp_rank == 0:
             path.mkdir(parents=True, exist_ok=True)
-            model = {k: v for k, v in self.stage.module.state_dict().items() if not k.endswith("_extra_state")}
+            model = {
+                k: v
+                for k, v in self.stage.module.state_dict().items()
+                if not k.endswith("_extra_state")
+            }
             state = {"model": model, "optim": self.optimizer.state_dict()}
             torch.save(state, _shard_file(path, self.tp_rank, self.stage_index))
         if self.rank == 0:
-            meta = {"step": self.step, "schedule": asdict(self.schedule), LAYOUT_KEY: asdict(self.layout)}
-            meta["scheduler"] = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+            meta = {
+                "step": self.step,
+                "schedule": asdict(self.schedule),
+                LAYOUT_KEY: asdict(self.layout),
+            }
+            meta["scheduler"] = {
+                k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"
+            }
             (path / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         dist.barrier()
 
@@ -473,9 +510,12 @@ class MegatronBackend:
                 f"p{saved.pipeline}; this one is t{self.layout.tensor} p{self.layout.pipeline}: "
                 "resume with the same tensor and pipeline sizes"
             )
-        shard = torch.load(_shard_file(path, self.tp_rank, self.stage_index), map_location=self.device)
+        shard = torch.load(
+            _shard_file(path, self.tp_rank, self.stage_index), map_location=self.device
+        )
         missing, unexpected = self.stage.module.load_state_dict(shard["model"], strict=False)
-        assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+        assert not unexpected, unexpected
+        assert all(k.endswith("_extra_state") for k in missing), missing
         self.optimizer.load_state_dict(shard["optim"])
         self.scheduler.load_state_dict(state["scheduler"] | {"lr_lambdas": [None]})
         self.step = int(state["step"])

@@ -53,9 +53,9 @@ FAMILIES = ("qwen2", "qwen3", "llama")
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """What the conversion needs of a model and of its split: width `hidden`, `heads` query heads and `groups`
-    key-value heads of `head_dim` each, `vocab` ids padded to `padded_vocab` (a multiple of
-    `tensor`), `tensor` ranks, `pipeline` stages of `layers / pipeline` layers each."""
+    """What the conversion needs of a model and of its split: width `hidden`, `heads` query heads
+    and `groups` key-value heads of `head_dim` each, `vocab` ids padded to `padded_vocab` (a
+    multiple of `tensor`), `tensor` ranks, `pipeline` stages of `layers / pipeline` layers each."""
 
     layers: int
     hidden: int
@@ -273,7 +273,7 @@ def to_hf(layout: Layout, name: str, stage: int, full: torch.Tensor) -> dict[str
         g, d = layout.groups, layout.head_dim
         per = layout.heads // g * d
         grouped = full.reshape(g, per + 2 * d, *full.shape[1:])
-        q, k, v = grouped.split([per, d, d], 1)
+        q, k, v = torch.split(grouped, [per, d, d], 1)
         rest = full.shape[1:]
         return dict(zip(names, (x.reshape(-1, *rest) for x in (q, k, v)), strict=True))
     if name.endswith("linear_fc1.weight"):

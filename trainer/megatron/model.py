@@ -37,7 +37,9 @@ _ROTARY: dict[str, str] = {
 def check_config(config: Any) -> None:
     """ValueError unless the decoder of HF `config` is one `build_stage` reproduces exactly."""
     if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"the megatron backend builds SwiGLU MLPs; this model has {config.hidden_act}")
+        raise ValueError(
+            f"the megatron backend builds SwiGLU MLPs; this model has {config.hidden_act}"
+        )
     if getattr(config, "mlp_bias", False):
         raise ValueError("the megatron backend builds MLPs without biases; this model has mlp_bias")
     if config.model_type != "qwen2" and getattr(config, "attention_bias", False):
@@ -48,7 +50,9 @@ def check_config(config: Any) -> None:
     if getattr(config, "use_sliding_window", False) or any(
         t != "full_attention" for t in getattr(config, "layer_types", None) or ()
     ):
-        raise ValueError("the megatron backend runs full attention in every layer; this model slides")
+        raise ValueError(
+            "the megatron backend runs full attention in every layer; this model slides"
+        )
 
 
 def rotary_inverse_frequencies(config: Any) -> torch.Tensor:
@@ -61,7 +65,8 @@ def rotary_inverse_frequencies(config: Any) -> torch.Tensor:
             f"this model's rope ({config.rope_parameters}) scales attention by "
             f"{rotary.attention_scaling}; the megatron backend does not: train it with fsdp"
         )
-    return rotary.inv_freq.to(torch.float32)
+    inverse: torch.Tensor = rotary.inv_freq
+    return inverse.to(torch.float32)
 
 
 def transformer_config(
@@ -124,6 +129,7 @@ class Stage(nn.Module):
         super().__init__()
         # `module`: megatron-core finds a wrapped model's config and type there
         self.module = gpt
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inverse_frequencies, persistent=False)
 
     def set_input_tensor(self, tensor: Any) -> None:
@@ -134,13 +140,19 @@ class Stage(nn.Module):
         self, input_ids_1T: torch.Tensor, position_ids_1T: torch.Tensor, mask_11TT: torch.Tensor
     ) -> torch.Tensor:
         gpt: Any = self.module
-        hidden = gpt.embedding(input_ids=input_ids_1T, position_ids=None) if gpt.pre_process else None
+        hidden = (
+            gpt.embedding(input_ids=input_ids_1T, position_ids=None) if gpt.pre_process else None
+        )
         angles_Td = position_ids_1T[0].to(torch.float32)[:, None] * self.inv_freq[None, :]
         rotary = torch.cat([angles_Td, angles_Td], -1)[:, None, None, :]
         hidden = gpt.decoder(hidden_states=hidden, attention_mask=mask_11TT, rotary_pos_emb=rotary)
         if not gpt.post_process:
             return hidden  # type: ignore[no-any-return]
-        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+        weight = (
+            gpt.shared_embedding_or_output_weight()
+            if gpt.share_embeddings_and_output_weights
+            else None
+        )
         logits, _ = gpt.output_layer(hidden, weight=weight)
         return logits  # type: ignore[no-any-return]
 
@@ -178,7 +190,7 @@ def build_stage(config: Any, layout: Layout, stage: int, *, recompute: bool) -> 
     for name, param in gpt.named_parameters():
         split = split_of(name)
         if split != "replicated":  # megatron-core's attributes (tensor_parallel.layers)
-            param.tensor_model_parallel = True  # type: ignore[attr-defined]
-            param.partition_dim = 0 if split == "rows" else 1  # type: ignore[attr-defined]
-            param.partition_stride = 1  # type: ignore[attr-defined]
+            param.tensor_model_parallel = True
+            param.partition_dim = 0 if split == "rows" else 1
+            param.partition_stride = 1
     return Stage(gpt, rotary_inverse_frequencies(config))
