@@ -20,6 +20,7 @@ import yaml
 from engines.launch import free_port
 from engines.tiny_model import tiny_model_dir
 from tests.integration.gateway_server import GatewayHandle, run_gateway
+from tests.support.torchrun import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -84,9 +85,11 @@ TRAINERS = {
     "one process": (1, "fsdp"),
     "torchrun fsdp:d2": (2, "fsdp:d2"),
     "torchrun archon:e2": (2, "archon:e2"),
+    "torchrun megatron:p2": (2, "megatron:p2"),
 }
 """How the separate trainer runs: processes and backend (archon on the tiny Qwen3-MoE, which the
-gateway then serves)."""
+gateway then serves; megatron through the CPU harness, its 2 layers on 2 pipeline stages, with
+GRPO: it trains no critic)."""
 
 
 @pytest.mark.parametrize("trainer_kind", list(TRAINERS))
@@ -95,8 +98,9 @@ def test_separate_trainer_publishes_to_the_gateway(
 ) -> None:
     """The trainer in its own process(es) publishes each version to a running gateway; under
     torchrun rank 0 writes each bucket of `publish.bucket_mb` (one file each) as all ranks gather
-    it from their shards, FSDP's or the experts'."""
+    it from their shards, FSDP's, the experts' or the pipeline stages'."""
     nproc, backend = TRAINERS[trainer_kind]
+    megatron = backend.startswith("megatron")
     model = tiny_model_dir(moe=True) if backend.startswith("archon") else tiny_model
     with run_gateway(model, tmp_path) as gw:
         run_id = gw.create_run("sep", {"batch_size": 4, "group_size": 2, "eta": 1})
@@ -108,16 +112,17 @@ def test_separate_trainer_publishes_to_the_gateway(
             backend=backend,
             publish={"bucket_mb": 0.25},
         )
-        launcher = [sys.executable, "-m", "rlgateway.cli"]
+        cli = "tests.support.megatron_cpu" if megatron else "rlgateway.cli"
+        launcher = [sys.executable, "-m", cli]
         if nproc > 1:
             torchrun = ["-m", "torch.distributed.run", "--master-port", str(free_port())]
-            launcher = [sys.executable, *torchrun, "--nproc-per-node", str(nproc),
-                        "-m", "rlgateway.cli"]  # fmt: skip
+            launcher = [sys.executable, *torchrun, "--nproc-per-node", str(nproc), "-m", cli]
         # the preset chosen by a command-line override, with no change to the config file
+        algorithm = "grpo" if megatron else "ppo"
         cmd = [*launcher, "train", "--config", str(config),
                "--gateway-url", gw.url, "--admin-token", gw.admin_token,
-               "algorithm=ppo"]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+               f"algorithm={algorithm}"]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         log = tmp_path / "trainer.log"
         with log.open("w") as out:
             trainer = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -130,7 +135,7 @@ def test_separate_trainer_publishes_to_the_gateway(
                     trainer.wait()
         assert gw.client.get("/admin/version").json() == {"version": STEPS}
         metrics = (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()
-        assert all("value_loss" in json.loads(line) for line in metrics)
+        assert all(("value_loss" in json.loads(line)) != megatron for line in metrics)
         published = sorted(p.name for p in (tmp_path / "ckpt" / "published").iterdir())
         assert published == [f"v{v}" for v in range(1, STEPS + 1)]
         shards = list((tmp_path / "ckpt" / "published" / f"v{STEPS}").glob("*.safetensors"))

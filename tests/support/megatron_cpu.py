@@ -6,37 +6,44 @@ recomputation go through a CUDA RNG tracker. `install()` redirects exactly those
 process, before the backend is built:
 
 - `torch.cuda.current_device()` returns "cpu", `torch.cuda.synchronize()` does nothing;
-- a torch function mode rewrites a CUDA `device=` argument of any torch call to the CPU;
+- torch's tensor factories (`torch.zeros`, `torch.empty`, ...) take a CUDA `device=` argument
+  as the CPU (wrapped functions, not a torch function mode: a mode is per thread, and the
+  trainer runs the backend in a worker thread);
 - the RNG tracker's `fork()` is a no-op and recomputation's CUDA RNG save/restore does nothing
   (the tiny models have no dropout);
 - it marks megatron-core as shimmed, which `trainer.backends.megatron` requires on a CPU.
 
 Nothing else changes: the layers, the tensor-parallel collectives (over gloo) and the pipeline
-schedule are megatron-core's own.
+schedule are megatron-core's own. `python -m tests.support.megatron_cpu train ...` is
+`rlgateway train ...` with the harness applied (what the separate-trainer test launches under
+torchrun).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint")
+"""The torch factories megatron-core calls with a CUDA device."""
 
 
-class _CpuDevices(TorchFunctionMode):
-    """Every torch call's CUDA `device=` argument (a "cuda" string, a CUDA device, or a device
+def _on_cpu(factory: Any) -> Any:
+    """`factory` with a CUDA `device=` argument (a "cuda" string, a CUDA device or a device
     index) replaced by the CPU."""
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
+    @functools.wraps(factory)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
         device = kwargs.get("device")
         if device is not None and (isinstance(device, int) or str(device).startswith("cuda")):
-            kwargs = {**kwargs, "device": "cpu"}
-        return func(*args, **kwargs)
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return wrapped
 
 
 _installed = False
@@ -64,6 +71,16 @@ def install() -> None:
     rng._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     rng._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     rng._set_cuda_rng_state = lambda *args, **kwargs: None
-    _CpuDevices().__enter__()
+    for name in _FACTORIES:
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
     core._rlgateway_cpu_shim = True
     _installed = True
+
+
+if __name__ == "__main__":
+    import sys
+
+    install()
+    from rlgateway.cli import main
+
+    sys.exit(main())

@@ -192,9 +192,10 @@ def test_a_model_that_does_not_split(
         ("fsdp:d2e2", "fsdp: expert parallel is not implemented yet (e2 in 'fsdp:d2e2')"),
         ("archon:d2t2", "archon: tensor parallel is not implemented yet (t2 in 'archon:d2t2')"),
         ("archon:c2e2", "archon: context parallel is not implemented yet (c2 in 'archon:c2e2')"),
+        ("megatron:c2", "megatron: context parallel is not implemented yet (c2 in 'megatron:c2')"),
         (
-            "megatron",
-            "backend 'megatron' is not implemented yet ('megatron'); the trainer has: fsdp, archon",
+            "megatron:d2e2",
+            "megatron: expert parallel is not implemented yet (e2 in 'megatron:d2e2')",
         ),
     ],
 )
