@@ -5,8 +5,11 @@
 
 Each configuration is an allocation string on a demo-size tiny model: the dense model under
 `fsdp` (1 process), `fsdp:d2` (2 processes, data parallel), `fsdp:t2` (tensor parallel) and
-`fsdp:c2` (Ulysses context parallel); the MoE model under `archon` (1 process) and `archon:e2`
-(2 processes, expert parallel; router balance loss 0.01). Every configuration runs as a fresh
+`fsdp:c2` (Ulysses context parallel), and the Megatron backend on the same model under
+`megatron` (1 process), `megatron:t2` and `megatron:p2` (megatron-core's tensor and pipeline
+parallel; on a CPU through the test harness tests/support/megatron_cpu.py, as its tests run);
+the MoE model under `archon` (1 process) and `archon:e2` (2 processes, expert parallel; router
+balance loss 0.01). Every configuration runs as a fresh
 `torchrun` of this script (`--worker ALLOC MODEL OUT`) on the gloo backend, with `--cores`
 threads in all (OMP_NUM_THREADS = cores / processes), and trains the same `--seqs` sequences
 (`bench_trainer.make_sequences`: long-tailed lengths, token ids < 256), every rank given the whole
@@ -65,6 +68,9 @@ CONFIGS = (
     Config("fsdp:d2", False, 2, "data parallel"),
     Config("fsdp:t2", False, 2, "tensor parallel"),
     Config("fsdp:c2", False, 2, "Ulysses context parallel"),
+    Config("megatron", False, 1, "megatron-core, 1 process"),
+    Config("megatron:t2", False, 2, "megatron-core tensor parallel"),
+    Config("megatron:p2", False, 2, "megatron-core pipeline parallel"),
     Config("archon", True, 1, "1 process"),
     Config("archon:e2", True, 2, "expert parallel"),
 )
@@ -88,7 +94,8 @@ def state_bytes(backend: Any) -> int:
     """Bytes of parameters and optimizer state (AdamW's two moments) this rank holds."""
     import torch
 
-    total = sum(_local_bytes(p) for p in backend.model.parameters())
+    params = [p for group in backend.optimizer.param_groups for p in group["params"]]
+    total = sum(_local_bytes(p) for p in params)
     for state in backend.optimizer.state.values():
         total += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     return total
@@ -110,6 +117,10 @@ def worker(allocation: str, model_dir: str, out: str, seqs_n: int, steps: int, b
         return -(logp_1T * mb.advantages_1T * mb.loss_mask_1T).sum() / normalizer, {}
 
     alloc = parse_allocation(allocation)
+    if alloc.backend == "megatron" and not torch.cuda.is_available():
+        from tests.support import megatron_cpu
+
+        megatron_cpu.install()
     extra: dict[str, Any] = {"aux_loss_coef": AUX_LOSS_COEF} if alloc.backend == "archon" else {}
     t0 = time.perf_counter()
     backend: Any = BACKEND_CLASSES[alloc.backend](model_dir, lr=1e-5, allocation=alloc, **extra)

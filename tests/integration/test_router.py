@@ -100,7 +100,16 @@ async def test_placement_affinity_update_and_failures(
         await busy
 
         # Server b dies. A request pinned to it (affinity) fails before any token: retried on a.
-        pinned = next(f"s{i}" for i in range(100) if router.pick(req(f"s{i}", short)) is bb)
+        # A new session goes to the server with fewer requests in flight: b, while s1 is busy on
+        # a (ties go by the servers' last reported load, which the test does not control).
+        pinned = "s1"
+        if first is not bb:
+            hold = asyncio.create_task(collect(router, req("s1")))
+            while first.outstanding == 0:
+                await asyncio.sleep(0.01)
+            pinned = "on-b"
+            assert router.pick(req(pinned, short)) is bb
+            await hold
         b.kill()
         r = await collect(router, req(pinned, short))
         assert len(r.token_ids) == 4

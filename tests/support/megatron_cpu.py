@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint")
-"""The torch factories megatron-core calls with a CUDA device."""
+_FACTORIES = ("empty", "zeros", "ones", "full", "arange", "rand", "randn", "randint")
+"""The torch factories megatron-core calls with a CUDA device (not `torch.tensor`: transformers
+builds its rotary buffers wrong once that is a Python function)."""
 
 
 def _on_cpu(factory: Any) -> Any:
