@@ -45,12 +45,9 @@ LR schedule.
 from __future__ import annotations
 
 import atexit
-import json
-import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
@@ -72,6 +69,17 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 from engines.base import TensorMeta
 from trainer.backends.base import EntropyMode, LossFn
 from trainer.backends.config import DATA_PARALLEL, check_context_attention, check_implemented
+from trainer.backends.update import (
+    LRSchedule,
+    Schedule,
+    StepRecord,
+    apply_update,
+    check_step,
+    read_state,
+    restore_scheduler,
+    step_stats,
+    write_state,
+)
 from trainer.batch import (
     MicroBatch,
     TrainSequence,
@@ -94,40 +102,12 @@ from trainer.parallel.vocab import (
     vocab_parallel_logprobs,
     vocab_shard,
 )
-from trainer.stats import merge_stats
 from trainer.weights import buckets_of, tensor_meta
 
 MixedPrecision = Literal["fp32", "bf16"]
-Schedule = Literal["constant", "linear", "cosine"]
 Attention = Literal["varlen", "sdpa", "eager", "flash_attention_2"]
 
 _T = TypeVar("_T")
-log = logging.getLogger(__name__)
-
-STATE_FILE = "trainer_state.json"
-"""Step and LR-schedule state, beside the DCP files of a checkpoint directory."""
-
-
-@dataclass(frozen=True)  # no slots: LambdaLR checkpoints a schedule object's __dict__
-class LRSchedule:
-    """LR multiplier after `step` optimizer steps: linear warmup from 1/warmup_steps to 1 over
-    `warmup_steps`, then `constant`, or `linear`/`cosine` decay to 0 at `total_steps`."""
-
-    kind: Schedule
-    warmup_steps: int
-    total_steps: int
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.kind == "constant":
-            return 1.0
-        progress = min(
-            1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
-        )
-        if self.kind == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def init_distributed(device_type: str) -> tuple[int, int]:
@@ -429,15 +409,12 @@ class FSDPBackend:
         entropy: EntropyMode = "off",
         step_schedule: bool = True,
     ) -> dict[str, float]:
-        if not seqs:
-            raise ValueError("train_step needs at least one sequence")
-        if global_norm <= 0:
-            raise ValueError(f"global_norm must be positive, got {global_norm}")
+        check_step(seqs, global_norm)
         mine = [seqs[i] for i in self._shards(seqs)[self.dp_rank]]
         micro = pack(mine, token_budget)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        records: list[tuple[int, float, dict[str, float]]] = []
+        records: list[StepRecord] = []
         for k in range(self._micro_batch_count(seqs, token_budget)):
             if k >= len(micro):
                 self._empty_pass(backward=True)
@@ -456,21 +433,11 @@ class FSDPBackend:
 
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = self._clip_grad_norm(max_norm)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        # A non-finite norm skips the update (the weights stay usable); the step still counts.
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            log.warning("step %d: grad norm is %s; skipping the update", self.step, grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        if step_schedule:
-            self.scheduler.step()
+        lr = apply_update(self.optimizer, self.scheduler, grad_norm, self.step, step_schedule)
         self.step += 1
 
         gathered = [r for part in self._gather(records) for r in part]
-        # the loss callback divides by the whole batch's normaliser: the parts' losses add up
-        parts = [(n, {"loss": loss, **values}) for n, loss, values in gathered]
-        return merge_stats(parts, summed={"loss"}) | {"grad_norm": grad_norm, "lr": lr}
+        return step_stats(gathered, grad_norm, lr)
 
     def _auxiliary_loss(self, num_seqs: int) -> torch.Tensor | None:
         """A term the model adds to the loss of the micro-batch just run forward (a subclass's
@@ -504,20 +471,11 @@ class FSDPBackend:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
         if self.rank == 0:
-            state = {"step": self.step, "schedule": asdict(self.schedule)}
-            state["scheduler"] = {
-                k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"
-            }
-            (Path(path) / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+            write_state(Path(path), self.step, self.schedule, self.scheduler)
         dist.barrier()
 
     def load(self, path: str | Path) -> None:
-        state = json.loads((Path(path) / STATE_FILE).read_text())
-        if state["schedule"] != asdict(self.schedule):
-            raise ValueError(
-                f"checkpoint {path} was saved with LR schedule {state['schedule']}; this backend "
-                f"has {asdict(self.schedule)}: construct it with the same schedule settings"
-            )
+        state = read_state(Path(path), self.schedule)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         loaded: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         dcp_load(loaded, checkpoint_id=str(path))
@@ -527,5 +485,5 @@ class FSDPBackend:
             model_state_dict=loaded["model"],
             optim_state_dict=loaded["optim"],
         )
-        self.scheduler.load_state_dict(state["scheduler"] | {"lr_lambdas": [None]})
+        restore_scheduler(self.scheduler, state)
         self.step = int(state["step"])

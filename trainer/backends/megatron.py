@@ -34,7 +34,6 @@ data size) and `hf_weights` turns it into Hugging Face weights without megatron-
 from __future__ import annotations
 
 import json
-import logging
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -48,7 +47,19 @@ import torch.distributed as dist
 from engines.base import TensorMeta
 from trainer.backends.base import EntropyMode, LossFn
 from trainer.backends.config import check_implemented
-from trainer.backends.fsdp import STATE_FILE, LRSchedule, MixedPrecision, Schedule, init_distributed
+from trainer.backends.fsdp import MixedPrecision, init_distributed
+from trainer.backends.update import (
+    STATE_FILE,
+    LRSchedule,
+    Schedule,
+    StepRecord,
+    apply_update,
+    check_step,
+    read_state,
+    restore_scheduler,
+    step_stats,
+    write_state,
+)
 from trainer.batch import (
     MicroBatch,
     TrainSequence,
@@ -70,10 +81,7 @@ from trainer.megatron.convert import (
 )
 from trainer.parallel.strategy import Allocation
 from trainer.parallel.vocab import VocabShard, vocab_parallel_entropy, vocab_parallel_logprobs
-from trainer.stats import merge_stats
 from trainer.weights import buckets_of
-
-log = logging.getLogger(__name__)
 
 LAYOUT_KEY = "megatron_layout"
 """`trainer_state.json`'s record of the checkpoint's `Layout`."""
@@ -336,14 +344,11 @@ class MegatronBackend:
         entropy: EntropyMode = "off",
         step_schedule: bool = True,
     ) -> dict[str, float]:
-        if not seqs:
-            raise ValueError("train_step needs at least one sequence")
-        if global_norm <= 0:
-            raise ValueError(f"global_norm must be positive, got {global_norm}")
+        check_step(seqs, global_norm)
         micro = [
             mb.to(self.device) for mb in pack([seqs[i] for i in self._mine(seqs)], token_budget)
         ]
-        records: list[tuple[int, float, dict[str, float]]] = []
+        records: list[StepRecord] = []
 
         def loss_of(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
             logp, entropy_1T = self._per_position(logits, mb, temperature, entropy)
@@ -357,18 +362,11 @@ class MegatronBackend:
         self._run(micro, loss_of, forward_only=False)
         self._reduce_gradients()
         grad_norm = self._clip_grad_norm(self.grad_clip if self.grad_clip > 0 else math.inf)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            log.warning("step %d: grad norm is %s; skipping the update", self.step, grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        if step_schedule:
-            self.scheduler.step()
+        lr = apply_update(self.optimizer, self.scheduler, grad_norm, self.step, step_schedule)
         self.step += 1
-        gathered = [r for part in self._from_last_stage(records) for r in part]
-        parts = [(n, {"loss": loss, **values}) for n, loss, values in gathered]
-        return merge_stats(parts, summed={"loss"}) | {"grad_norm": grad_norm, "lr": lr}
+        return step_stats(
+            [r for part in self._from_last_stage(records) for r in part], grad_norm, lr
+        )
 
     def _reduce_gradients(self) -> None:
         """Every parameter's gradient summed over the data ranks (zeros where a rank had none),
@@ -425,12 +423,15 @@ class MegatronBackend:
     def weight_metas(self) -> list[TensorMeta]:
         return [meta for meta, _, _ in self._hf_metas()]
 
-    def _gather(self, name: str, stage: int) -> torch.Tensor | None:
+    def _gather(
+        self, name: str, stage: int, state: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor | None:
         """Stage `stage`'s full Megatron tensor `name` on global rank 0 (None elsewhere): an
-        all-gather over that stage's tensor ranks (data rank 0's), then sent to rank 0."""
+        all-gather over that stage's tensor ranks (data rank 0's) of their part in `state` (this
+        rank's state dict), then sent to rank 0."""
         full: torch.Tensor | None = None
         if self.stage_index == stage and self.dp_rank == 0:
-            local = self.stage.module.state_dict()[name].detach()
+            local = state[name].detach()
             if split_of(name) == "replicated" or self.layout.tensor == 1:
                 full = local
             else:
@@ -451,13 +452,14 @@ class MegatronBackend:
 
     def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         placed = {meta.name: (name, stage) for meta, name, stage in self._hf_metas()}
+        state = self.stage.module.state_dict()
         cached: tuple[str, int, dict[str, torch.Tensor]] | None = None
         for bucket in buckets_of(self.weight_metas(), bucket_bytes):
             out: dict[str, torch.Tensor] = {}
             for meta in bucket:
                 name, stage = placed[meta.name]
                 if cached is None or cached[:2] != (name, stage):
-                    full = self._gather(name, stage)
+                    full = self._gather(name, stage, state)
                     parts = {} if full is None else to_hf(self.layout, name, stage, full)
                     cached = (name, stage, parts)
                 if self.rank == 0:
@@ -484,25 +486,14 @@ class MegatronBackend:
             state = {"model": model, "optim": self.optimizer.state_dict()}
             torch.save(state, _shard_file(path, self.tp_rank, self.stage_index))
         if self.rank == 0:
-            meta = {
-                "step": self.step,
-                "schedule": asdict(self.schedule),
-                LAYOUT_KEY: asdict(self.layout),
-            }
-            meta["scheduler"] = {
-                k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"
-            }
-            (path / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            write_state(
+                path, self.step, self.schedule, self.scheduler, **{LAYOUT_KEY: asdict(self.layout)}
+            )
         dist.barrier()
 
     def load(self, path: str | Path) -> None:
         path = Path(path)
-        state = json.loads((path / STATE_FILE).read_text())
-        if state["schedule"] != asdict(self.schedule):
-            raise ValueError(
-                f"checkpoint {path} was saved with LR schedule {state['schedule']}; this backend "
-                f"has {asdict(self.schedule)}: construct it with the same schedule settings"
-            )
+        state = read_state(path, self.schedule)
         saved = Layout(**state.get(LAYOUT_KEY, {}))
         if saved != self.layout:
             raise ValueError(
@@ -517,7 +508,7 @@ class MegatronBackend:
         assert not unexpected, unexpected
         assert all(k.endswith("_extra_state") for k in missing), missing
         self.optimizer.load_state_dict(shard["optim"])
-        self.scheduler.load_state_dict(state["scheduler"] | {"lr_lambdas": [None]})
+        restore_scheduler(self.scheduler, state)
         self.step = int(state["step"])
 
 

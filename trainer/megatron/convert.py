@@ -27,7 +27,9 @@ weights differently from Hugging Face's, and splits them over tensor-parallel ra
   are the unpadded model's.
 - Pipeline stages hold consecutive layers (`stage_layers`), numbered from 0 within the stage
   (Megatron's local layer numbers); the embedding is on the first stage, the final norm and the
-  output layer on the last. A model with tied embeddings has no `output_layer.weight`.
+  output layer on the last. A model with tied embeddings has no `output_layer.weight`; its
+  embedding converts back to both `model.embed_tokens.weight` and `lm_head.weight`, as the
+  Hugging Face model's state dict has them.
 
 `to_megatron` gives one (tensor rank, stage)'s local state dict from the Hugging Face one;
 `to_hf` turns one full (tensor-gathered) Megatron tensor back into its Hugging Face tensors, so
@@ -268,6 +270,11 @@ def to_hf(layout: Layout, name: str, stage: int, full: torch.Tensor) -> dict[str
     (`merge_tensor_ranks` of every tensor rank's part); views of `full` where the layout allows."""
     names = hf_names(layout, name, stage)
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if layout.tied:  # one tensor, both names (as in the Hugging Face model's state dict)
+            return {
+                "model.embed_tokens.weight": full[: layout.vocab],
+                "lm_head.weight": full[: layout.vocab],
+            }
         return {names[0]: full[: layout.vocab]}
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
         g, d = layout.groups, layout.head_dim
