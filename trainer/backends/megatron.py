@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
@@ -79,6 +80,7 @@ from trainer.megatron.convert import (
     to_megatron,
     vocab_range,
 )
+from trainer.megatron.model import build_stage, packed_mask
 from trainer.parallel.strategy import Allocation
 from trainer.parallel.vocab import VocabShard, vocab_parallel_entropy, vocab_parallel_logprobs
 from trainer.weights import buckets_of
@@ -188,8 +190,6 @@ class MegatronBackend:
 
         device_type = "cuda" if cuda else "cpu"
         if cuda:
-            import os
-
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         self.rank, self.world_size = init_distributed(device_type)
         self.strategy = allocation.for_world(self.world_size)
@@ -223,8 +223,6 @@ class MegatronBackend:
         if layout.tensor > 1:
             self.vocab = VocabShard(start=start, end=end, size=layout.vocab, group=self._tp_group)
 
-        from trainer.megatron.model import build_stage
-
         stage = build_stage(config, layout, self.stage_index, recompute=gradient_checkpointing)
         hf = _LazyTensors(self.model_dir)
         weights = {
@@ -249,8 +247,6 @@ class MegatronBackend:
 
     def _logits(self, mb: MicroBatch) -> torch.Tensor:
         """The stage's output for `mb`: hidden states, or on the last stage logits [T, 1, v]."""
-        from trainer.megatron.model import packed_mask
-
         mask = packed_mask(mb.position_ids_1T)
         return self.stage(mb.input_ids_1T, mb.position_ids_1T, mask)  # type: ignore[no-any-return]
 
