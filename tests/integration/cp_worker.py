@@ -52,4 +52,7 @@ def main(model_dir: str, out: str, allocation: str) -> None:
 
 
 if __name__ == "__main__":
+    from tests.support.torchrun import exit_worker
+
     main(*sys.argv[1:])
+    exit_worker()

@@ -87,7 +87,10 @@ def main(model_dir: str, out: str, allocation: str) -> None:
 
 
 if __name__ == "__main__":
+    from tests.support.torchrun import exit_worker
+
     if sys.argv[1] == "knobs":
         knobs(*sys.argv[2:])
     else:
         main(*sys.argv[1:])
+    exit_worker()

@@ -44,4 +44,7 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    from tests.support.torchrun import exit_worker
+
     main(*sys.argv[1:])
+    exit_worker()

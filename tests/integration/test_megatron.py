@@ -19,6 +19,9 @@ logprobs), compared with the FSDP backend's same run in this process.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from engines.tiny_model import tiny_model_dir
 from tests.integration import tp_worker
 from tests.integration.test_tensor_parallel import build_tiny_qwen3
-from tests.support.torchrun import max_abs_diff, torchrun
+from tests.support.torchrun import ROOT, max_abs_diff, torchrun
 from trainer.backends.config import MegatronBackendConfig
 from trainer.config import validate_config
 from trainer.megatron.convert import Layout, megatron_names, merge_tensor_ranks, to_hf, to_megatron
@@ -222,12 +225,21 @@ def test_models_it_cannot_split_are_refused(models: dict[str, Path]) -> None:
 
 
 def test_a_cpu_without_the_harness_is_refused(models: dict[str, Path]) -> None:
-    from trainer.backends.megatron import MegatronBackend
-    from trainer.parallel.strategy import parse_allocation
-
-    with pytest.raises(ValueError, match="pipeline parallel needs untied"):
-        MegatronBackend(models["llama"], allocation=parse_allocation("megatron:p2"))
-    if torch.cuda.is_available():
-        return  # a GPU runs it for real (.ci/gpu-check.sh)
+    # in a process of its own: this one never imports megatron-core
+    script = f"""
+import pytest, torch
+from trainer.backends.megatron import MegatronBackend
+from trainer.parallel.strategy import parse_allocation
+with pytest.raises(ValueError, match="pipeline parallel needs untied"):
+    MegatronBackend({str(models["llama"])!r}, allocation=parse_allocation("megatron:p2"))
+if not torch.cuda.is_available():  # a GPU runs it for real (.ci/gpu-check.sh)
     with pytest.raises(RuntimeError, match="runs on CUDA GPUs"):
-        MegatronBackend(models["qwen2"])
+        MegatronBackend({str(models["qwen2"])!r})
+print("refused")
+"""
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused" in proc.stdout

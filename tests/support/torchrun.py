@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -30,6 +31,20 @@ def torchrun(worker: str, args: list[str], *, nproc: int = 2, timeout: float = 3
         cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def exit_worker() -> NoReturn:
+    """A worker's end, once its results are on disk: the process group destroyed, then the
+    process gone without the interpreter's teardown. Some gloo workers aborted in that teardown
+    (SIGABRT, "terminate called without an active exception") after writing their results, in
+    about 1 of 20 runs under load; what is still alive then is not known (see BENCHMARKS.md,
+    "Trainer: parallel strategies side by side"), so the workers do not wait for it."""
+    from trainer.backends.fsdp import shutdown_distributed
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    shutdown_distributed()
+    os._exit(0)
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
