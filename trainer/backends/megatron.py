@@ -472,6 +472,8 @@ class MegatronBackend:
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
+        # the checkpoint writer (rank 0) may be making the directory afresh: after it
+        dist.barrier()
         if self.dp_rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             model = {
