@@ -125,6 +125,13 @@ class GatewayMetrics:
         self.run_paused = Gauge(
             "rlgateway_run_paused", "1 while a run's training is paused", ["run"], registry=r
         )
+        self.run_sessions = Gauge(
+            "rlgateway_run_sessions",
+            "A run's sessions by what the trainer made of them (trained, stale, filtered, "
+            "untrainable, incomplete, orphaned; pending: not settled yet)",
+            ["run", "outcome"],
+            registry=r,
+        )
         self.trainer = {
             name: Gauge(f"rlgateway_trainer_{name}", doc, ["run"], registry=r)
             for name, doc in _TRAINER_FIELDS.items()
@@ -161,10 +168,13 @@ class GatewayMetrics:
         runs = await store.unstopped_runs()
         latest = await store.latest_steps([r.id for r in runs])
         self.run_paused.clear()
+        self.run_sessions.clear()
         for g in self.trainer.values():
             g.clear()
         for run in runs:
             self.run_paused.labels(run=run.id).set(1 if run.status == RunStatus.PAUSED else 0)
+            for outcome, n in (await store.outcome_counts(run.id)).items():
+                self.run_sessions.labels(run=run.id, outcome=outcome).set(n)
             step = latest.get(run.id)
             if step is None:
                 continue

@@ -3,9 +3,11 @@
 A request of a session samples under its run's config: under `record` with the client's settings,
 the run's `temperature` where the client sends none; under `run` at the run's temperature with no
 truncation (top_p 1, top_k 0, min_new_tokens 0), whatever the client sends. The settings used
-are what the engine gets and what the turn's record holds (`record_of`), with the contract. A
-request outside any session (the admin's unrecorded `/v1/...` calls) samples as OpenAI's default:
-temperature 1, contract `record`.
+are what the engine gets and what the turn's record holds (`record_of`), with the contract.
+Under either contract a run that sets `max_tokens` caps the turn's new tokens at it (the turn
+budget, `store.run_config`): the client's maximum when it is lower, the cap when the client sends
+none or more. A request outside any session (the admin's unrecorded `/v1/...` calls) samples as
+OpenAI's default: temperature 1, contract `record`, no cap.
 """
 
 from __future__ import annotations
@@ -41,11 +43,25 @@ class Asked:
     top_logprobs: int = 0
 
 
+def max_tokens_cap(run: RunConfig | None) -> int | None:
+    """The cap on a turn's new tokens: the run's `max_tokens` (None: no run, or it sets none)."""
+    return None if run is None else run.max_tokens
+
+
+def max_new_tokens(asked: int | None, run: RunConfig | None) -> int | None:
+    """A turn's maximum of new tokens: what the client asked (None: it did not say), capped at
+    the run's `max_tokens`."""
+    cap = max_tokens_cap(run)
+    if cap is None:
+        return asked
+    return cap if asked is None else min(asked, cap)
+
+
 def sampling_params(asked: Asked, run: RunConfig | None) -> SamplingParams:
     """The settings a request of `run` (None: outside any run) samples with."""
     kept = SamplingParams(
         seed=asked.seed,
-        max_new_tokens=asked.max_new_tokens,
+        max_new_tokens=max_new_tokens(asked.max_new_tokens, run),
         stop_token_ids=asked.stop_token_ids,
         ignore_eos=asked.ignore_eos,
         top_logprobs=asked.top_logprobs,
@@ -63,7 +79,9 @@ def sampling_params(asked: Asked, run: RunConfig | None) -> SamplingParams:
     )
 
 
-def record_of(sp: SamplingParams, contract: ClientSampling) -> JSON:
+def record_of(sp: SamplingParams, contract: ClientSampling, cap: int | None = None) -> JSON:
     """The turn's record of its sampling (`CompletionRecord.sampling`): every setting the engine
-    got, and the contract it was sampled under."""
-    return {f: getattr(sp, f) for f in sp.__dataclass_fields__} | {"contract": contract}
+    got, the contract it was sampled under and, under a run's turn budget, the cap
+    (`max_tokens_cap`) its `max_new_tokens` was held to."""
+    record = {f: getattr(sp, f) for f in sp.__dataclass_fields__} | {"contract": contract}
+    return record if cap is None else record | {"max_tokens_cap": cap}

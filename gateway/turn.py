@@ -32,7 +32,7 @@ from gateway.chat_render import ChatRenderer
 from gateway.choices import ChoiceRun, TokenPieces
 from gateway.detok import IncrementalDecoder
 from gateway.recorder import Match, Plan, Recorder
-from gateway.sampling import contract_of, sampling_params
+from gateway.sampling import contract_of, max_tokens_cap, sampling_params
 from gateway.segments import LiveSegment, extends, extends_tokens, repeats, repeats_tokens
 from gateway.turn_run import Turn
 from gateway.turn_types import (
@@ -137,6 +137,9 @@ class TurnCore:
         request whose reply it never got (`gateway.segments`). `respond`: a choice's response
         JSON in the adapter's protocol, which is recorded with it."""
         sp = sampling_params(spec.asked, run)
+        # A maximum the client did not ask for (the run's cap) is a limit, never a demand: where
+        # the prompt leaves less room in the context, generate up to the room left.
+        cap_to_context = spec.cap_to_context or spec.asked.max_new_tokens is None
         groups: list[Group] = []
         try:
             for prompt in spec.prompts:
@@ -149,14 +152,14 @@ class TurnCore:
                         ChoiceRun(
                             index=(len(groups) - 1) * spec.n + len(group.runs),
                             request=req,
-                            stream=self._generate(req, spec.cap_to_context),
+                            stream=self._generate(req, cap_to_context),
                             decoder=self._decoder(group, spec.stop),
                         )
                     )
         except BaseException:
             self.release(groups)
             raise
-        turn = Turn(self, spec, groups, sp, contract_of(run), respond)
+        turn = Turn(self, spec, groups, sp, contract_of(run), respond, cap=max_tokens_cap(run))
         if spec.stream:
             await turn.start_stream()
         return turn

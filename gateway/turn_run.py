@@ -48,12 +48,16 @@ class Turn:
         sampling: SamplingParams,
         contract: ClientSampling,
         respond: Callable[[Turn, Choice], JSON],
+        *,
+        cap: int | None,
     ) -> None:
         self.core = core
         self.spec = spec
         self.groups = groups
         self.sampling = sampling
         self.contract = contract
+        self.cap = cap
+        """The run's cap on new tokens (`gateway.sampling.max_tokens_cap`), recorded."""
         self.respond = respond
         self.id = f"{spec.id_prefix}{uuid.uuid4().hex[:29]}"
         self.created = int(time.time())
@@ -174,7 +178,7 @@ class Turn:
             return
         self.committed = True
         choices = self._finish(aborted)
-        sampling = record_of(self.sampling, self.contract) | self.spec.sampling_extra
+        sampling = record_of(self.sampling, self.contract, self.cap) | self.spec.sampling_extra
         for g in self.groups:
             if g.plan is None:
                 continue

@@ -48,6 +48,8 @@ def info_json(info: SessionInfo) -> dict[str, Any]:
         "ended_at": info.ended_at.isoformat() if info.ended_at else None,
         "prefix_breaks": info.prefix_breaks,
         "train_state": info.train_state.value,
+        "outcome": info.outcome.value if info.outcome is not None else None,
+        "consumed_step": info.consumed_step,
     }
 
 
@@ -61,6 +63,7 @@ def reward_json(r: Reward) -> dict[str, Any]:
         "completion_id": r.completion_id,
         "key": r.key,
         "created_at": r.created_at.isoformat(),
+        "late": r.late,
     }
 
 

@@ -16,6 +16,9 @@ same values, so before it starts:
   may still choose them.
 
 `run` and `database_url` say where the trainer finds the run, not how to train it: never merged.
+`max_steps` says how long to train: a later trainer's value replaces the run's (a run is
+extended by starting its trainer again with more steps; the LR schedule refuses a change where
+it would alter its curve, `trainer.backends.update`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from store.types import JSON
 from trainer.config import TrainConfig, check_run_config, validate_config
 
 NOT_MERGED = frozenset({"run", "database_url"})
+LATEST_WINS = frozenset({"max_steps"})
+"""Top-level settings a later trainer's config sets for the run, whatever the run says."""
 
 
 def merge_run_config(stored: JSON, cfg: TrainConfig, *, source: str = "--config") -> TrainConfig:
@@ -90,7 +95,7 @@ def _merge_models(
         a, b = getattr(run_side, name), getattr(ours, name)
         if name not in ours.model_fields_set:
             out[name] = _given(a)
-        elif name not in run_side.model_fields_set:
+        elif name not in run_side.model_fields_set or (not prefix and name in LATEST_WINS):
             out[name] = _given(b)
         else:
             out[name] = _merge_values(a, b, f"{prefix}{name}", conflicts, source)

@@ -2,9 +2,9 @@
 the run (`runs.config`, set by `POST /runs` or by the first `rlgateway train` of the run).
 
 The gateway reads it for admission (`eta`, `batch_size`, `max_concurrent`), for the returns it
-reports (`discount`) and for the sampling contract (`temperature`, `client_sampling`); the
-trainer's `TrainConfig` extends it, so the trainer trains under the same values. Torch-free and
-trainer-free: the gateway imports it.
+reports (`discount`), for the sampling contract (`temperature`, `client_sampling`) and for the
+turn budget (`max_tokens`); the trainer's `TrainConfig` extends it, so the trainer trains under
+the same values. Torch-free and trainer-free: the gateway imports it.
 
 **The sampling contract** (`client_sampling`). The trainer recomputes the logprob of every trained
 token as `log_softmax(logits / T)`; that is the distribution the engine sampled from only when no
@@ -19,6 +19,13 @@ truncation (top-p, top-k), end-token masking (min_tokens) or greedy decoding cha
 - `run`: the gateway samples every turn at the run's `temperature` with no truncation, whatever
   the client sends, and says so in the response header `x-rlgateway-sampling: run` and in the
   turn's record; every turn is trainable.
+
+**The turn budget** (`max_tokens`). The trainer shapes and normalises by the run's max new tokens
+per turn (DAPO's overlong penalty ends there, Dr.GRPO's norm_len is it), so the gateway enforces
+it: a turn of a run that sets it samples at most `max_tokens` new tokens, whatever the client asks
+(`max_tokens`, `max_completion_tokens`, `max_output_tokens`; the cap when it asks none), and says
+so in the response header `x-rlgateway-max-tokens: capped N` and in the turn's record
+(`max_tokens_cap`). A run that sets none is not capped.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ ClientSampling = Literal["record", "run"]
 
 SAMPLING_HEADER = "x-rlgateway-sampling"
 """Response header naming the contract a turn was sampled under (`record` or `run`)."""
+
+MAX_TOKENS_HEADER = "x-rlgateway-max-tokens"
+"""Response header of a turn of a run that sets `max_tokens` N: `capped N`, its new tokens were
+at most N (module docstring, the turn budget)."""
 
 
 class RunConfig(BaseModel):
@@ -52,6 +63,13 @@ class RunConfig(BaseModel):
     `client_sampling: run`, every request)."""
     client_sampling: ClientSampling = "record"
     """How client sampling settings are treated: `record` or `run` (module docstring)."""
+    max_tokens: int | None = Field(None, ge=1)
+    """The run's max new tokens per turn: the gateway caps every turn at it (module docstring, the
+    turn budget), and the trainer's DAPO overlong shaping and Dr.GRPO's norm_len use it. None: no
+    cap (a turn generates what the client asks, up to the model's context)."""
+    late_rewards: Literal["refuse", "record"] = "refuse"
+    """A reward for a session the trainer already settled (trained, dropped): `refuse` answers
+    409; `record` keeps it for export only, flagged, and it is never trained."""
 
 
 RUN_FIELDS: tuple[str, ...] = tuple(RunConfig.model_fields)

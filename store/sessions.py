@@ -10,7 +10,7 @@ from sqlalchemy import select, update
 from store.db import Database, new_id, utcnow
 from store.errors import NotFoundError
 from store.tables import RunRow, SessionRow
-from store.types import JSON, NewSession, Run, SessionInfo, SessionStatus, TrainState
+from store.types import JSON, NewSession, Outcome, Run, SessionInfo, SessionStatus, TrainState
 
 MAX_SESSIONS_PER_CALL = 1024
 
@@ -37,6 +37,8 @@ def info_from_row(row: SessionRow) -> SessionInfo:
         ended_at=row.ended_at,
         prefix_breaks=row.prefix_breaks,
         train_state=TrainState(row.train_state),
+        outcome=Outcome(row.outcome) if row.outcome is not None else None,
+        consumed_step=row.consumed_step,
     )
 
 

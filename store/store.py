@@ -18,6 +18,7 @@ from store.types import (
     CompletionRecord,
     KeptTurn,
     NewSession,
+    Outcome,
     PublishedPolicy,
     Run,
     RunStatus,
@@ -230,16 +231,18 @@ class Store:
         *,
         completion_id: str | None = None,
         key: str | None = None,
+        late: rewards.LateRewards = "refuse",
     ) -> bool:
         """Record a reward for one turn (`completion_id`) or the episode (None).
 
         With a `key` it is idempotent: False if the key already holds this same reward,
         ConflictError if it holds a different one. Keyless rewards always add a row. Accepted
-        after the session ended. NotFoundError for an unknown session or a completion outside
-        it; ValueError for a non-finite value.
+        after the session ended, until the trainer takes it; after that ConflictError, or with
+        `late="record"` recorded flagged late (exported, never trained). NotFoundError for an
+        unknown session or a completion outside it; ValueError for a non-finite value.
         """
         return await rewards.add_reward(
-            self._db, session_id, value, completion_id=completion_id, key=key
+            self._db, session_id, value, completion_id=completion_id, key=key, late=late
         )
 
     async def set_reward(
@@ -282,15 +285,61 @@ class Store:
             self._db, run_id, limit=limit, owner=owner, lease_seconds=lease_seconds, gamma=gamma
         )
 
-    async def mark_consumed(self, session_ids: list[str], *, owner: str, step: int) -> None:
-        """Mark sessions trained at `step`. All or nothing: LeaseLostError (and no change) unless
-        every one is still leased by `owner`; NotFoundError for unknown ids."""
-        await queue.mark_consumed(self._db, session_ids, owner=owner, step=step)
+    async def mark_consumed(
+        self, session_ids: list[str], *, owner: str, step: int, outcome: Outcome | None = None
+    ) -> None:
+        """Mark sessions trained at `step` (or settled with `outcome` at step -1). All or
+        nothing: LeaseLostError (and no change) unless every one is still leased by `owner`;
+        NotFoundError for unknown ids."""
+        await queue.mark_consumed(self._db, session_ids, owner=owner, step=step, outcome=outcome)
 
-    async def settle_consumed(self, session_ids: list[str], *, step: int) -> int:
-        """Crash recovery: mark these sessions consumed at `step` whatever their lease (unless
-        already consumed); returns how many changed."""
-        return await queue.settle_consumed(self._db, session_ids, step=step)
+    async def settle_consumed(
+        self, session_ids: list[str], *, step: int, outcome: Outcome | None = None
+    ) -> int:
+        """Mark these sessions consumed at `step` with `outcome` whatever their lease (unless
+        already consumed): crash recovery, and what the trainer drops; returns how many
+        changed."""
+        return await queue.settle_consumed(self._db, session_ids, step=step, outcome=outcome)
+
+    async def claim_groups(
+        self,
+        run_id: str,
+        *,
+        batch_size: int,
+        group_size: int,
+        partial_groups: str,
+        deadline_seconds: float,
+        owner: str,
+        lease_seconds: float,
+        gamma: float = 1.0,
+    ) -> queue.GroupClaim:
+        """Lease whole ready groups once they add up to `batch_size` (`store.queue`'s module
+        docstring: completeness per group, deadlines, `partial_groups`)."""
+        return await queue.claim_groups(
+            self._db,
+            run_id,
+            batch_size=batch_size,
+            group_size=group_size,
+            partial_groups=partial_groups,
+            deadline_seconds=deadline_seconds,
+            owner=owner,
+            lease_seconds=lease_seconds,
+            gamma=gamma,
+        )
+
+    async def end_idle(self, run_id: str, *, idle_seconds: float) -> tuple[list[str], list[str]]:
+        """End the run's sessions idle for `idle_seconds` that were never ended; those without
+        a reward are settled as orphaned. Returns (ended, orphaned)."""
+        return await queue.end_idle(self._db, run_id, idle_seconds=idle_seconds)
+
+    async def release_owner(self, run_id: str, owner: str) -> int:
+        """Every session of the run `owner` leases goes back to the queue now; returns how
+        many."""
+        return await queue.release_owner(self._db, run_id, owner)
+
+    async def outcome_counts(self, run_id: str) -> dict[str, int]:
+        """The run's sessions per outcome, and `pending` for those not settled."""
+        return await queue.outcome_counts(self._db, run_id)
 
     async def renew(self, session_ids: list[str], *, owner: str, lease_seconds: float) -> int:
         """Extend `owner`'s lease of these sessions to `lease_seconds` from now; returns how many

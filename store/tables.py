@@ -11,7 +11,8 @@
 - `sessions.turn_count` numbers the session's completions across segments (`completions.turn`),
   which is the order returns are discounted in.
 - The trainer's queue lives on `sessions`: `train_state` pending -> claimed (with
-  `lease_owner`/`lease_expires_at`) -> consumed (`consumed_step`).
+  `lease_owner`/`lease_expires_at`) -> consumed (`consumed_step`, the step that trained it or
+  -1, and `outcome`: trained, stale, filtered, untrainable, incomplete or orphaned).
 - `runs.status` (active, paused, stopped) is what the operator set and the trainer obeys;
   `runs.key_hash` is the sha256 of the run's agent key. `train_steps` holds one row per
   trainer step (its metrics and checkpoint): the run's training time series.
@@ -26,6 +27,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     DateTime,
     Double,
     ForeignKey,
@@ -35,6 +37,7 @@ from sqlalchemy import (
     MetaData,
     String,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -108,6 +111,9 @@ class SessionRow(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     consumed_step: Mapped[int | None] = mapped_column(Integer)
+    outcome: Mapped[str | None] = mapped_column(String(16))
+    """What became of the session once the trainer settled it (`store.types.Outcome`); NULL
+    while it is not settled."""
 
 
 class SegmentRow(Base):
@@ -171,6 +177,9 @@ class RewardRow(Base):
     key: Mapped[str | None] = mapped_column(String(200))
     value: Mapped[float] = mapped_column(Double)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    late: Mapped[bool] = mapped_column(Boolean, server_default=false(), default=False)
+    """Recorded after the session was settled (`late_rewards: record`): exported, never
+    trained."""
 
 
 class TrainStepRow(Base):

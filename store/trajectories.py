@@ -74,6 +74,9 @@ class Loaded:
         )
 
     def trajectory(self, gamma: float) -> Trajectory:
+        """The session as the trainer takes it: late rewards (recorded after it was settled)
+        are left out, they are for the export only."""
+        rewards = [r for r in self.rewards if not r.late]
         versions = [
             v
             for seg in self.segments
@@ -83,8 +86,8 @@ class Loaded:
         return Trajectory(
             session=self.info,
             segments=self.segments,
-            returns=discounted_returns(self.turn_ids, self.rewards, gamma),
-            reward=math.fsum(r.value for r in self.rewards),
+            returns=discounted_returns(self.turn_ids, rewards, gamma),
+            reward=math.fsum(r.value for r in rewards),
             min_version=min(versions, default=-1),
             aborted_turns=self.aborted_turns,
         )
@@ -185,7 +188,11 @@ async def load_sessions(
     for rw in reward_rows:
         rewards[rw.session_id].append(
             Reward(
-                value=rw.value, completion_id=rw.completion_id, key=rw.key, created_at=rw.created_at
+                value=rw.value,
+                completion_id=rw.completion_id,
+                key=rw.key,
+                created_at=rw.created_at,
+                late=rw.late,
             )
         )
     return {

@@ -36,6 +36,28 @@ class TrainState(enum.StrEnum):
     CONSUMED = "consumed"
 
 
+class Outcome(enum.StrEnum):
+    """What became of a session the trainer settled (`sessions.outcome`): every session it
+    takes ends in exactly one of these, none in silence."""
+
+    TRAINED = "trained"
+    """Trained at step `consumed_step` (>= 1)."""
+    STALE = "stale"
+    """Every trainable token was older than `eta` policy versions (or, with `stale_tokens:
+    drop`, any one was)."""
+    FILTERED = "filtered"
+    """Left out by dynamic sampling: its group's task rewards were all equal."""
+    UNTRAINABLE = "untrainable"
+    """Nothing the trainer can train: no sampled token, or only turns sampled under a
+    distribution it cannot reproduce (the sampling contract)."""
+    INCOMPLETE = "incomplete"
+    """Its group missed its deadline short of `group_size` members, under `partial_groups:
+    drop`."""
+    ORPHANED = "orphaned"
+    """Never ended, idle past `session_idle_seconds`, and holding no reward: ended by the
+    trainer."""
+
+
 @dataclass(frozen=True, slots=True)
 class Run:
     id: str
@@ -57,6 +79,10 @@ class SessionInfo:
     prefix_breaks: int
     """Requests that extended none of the session's segments and so began a new one."""
     train_state: TrainState
+    outcome: Outcome | None = None
+    """What the trainer made of it once settled (None before)."""
+    consumed_step: int | None = None
+    """The step that trained it (an outcome other than trained: -1); None before."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +199,9 @@ class Reward:
     """None for an episode-level (final) reward."""
     key: str | None
     created_at: datetime
+    late: bool = False
+    """Recorded after the session was settled (`late_rewards: record`): exported, never
+    trained."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ A sequence's first token has no logprob, so `TrainSequence` requires `loss_mask[
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -181,17 +182,22 @@ def data_shards(lengths: Sequence[int], data_size: int) -> list[list[int]]:
     return [order[r::data_size] for r in range(data_size)]
 
 
-def split_minibatches(lengths: Sequence[int], n: int) -> list[list[int]]:
-    """The PPO mini-batches of a batch of sequences of these `lengths`: min(n, len) groups of
-    indices, balanced by tokens (longest first, ties by index, each into the group with the fewest
-    tokens so far, ties to the lowest group), each in ascending index order. Deterministic, so
-    every rank splits the same way."""
+def split_minibatches(lengths: Sequence[int], n: int, *, seed: str) -> list[list[int]]:
+    """One epoch's PPO mini-batches of a batch of sequences of these `lengths`: min(n, len)
+    groups of indices, balanced by tokens, each in ascending index order. The sequences go in a
+    random order (`random.Random(seed).shuffle` of their indices), each into the group with the
+    fewest tokens so far (ties to the lowest group), so no group holds more than one sequence's
+    length of tokens beyond another's, and each epoch mixes its mini-batches anew when each has
+    its own seed (the trainer's: `{optim.seed}:{step}:{epoch}`). A function of its arguments
+    alone, so every rank splits the same way."""
     if n < 1:
         raise ValueError(f"n must be positive, got {n}")
     k = min(n, len(lengths))
     groups: list[list[int]] = [[] for _ in range(k)]
     load = [0] * k
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    for i in order:
         g = min(range(k), key=lambda j: (load[j], j))
         groups[g].append(i)
         load[g] += lengths[i]

@@ -10,9 +10,11 @@ a `.tmp` directory and renamed, so a checkpoint exists whole or not at all. The 
 is: train, save the checkpoint, mark its sessions consumed, publish. A trainer killed between
 saving and marking finds the ids in the newest checkpoint when it resumes and settles them as
 consumed: nothing is trained twice. Killed before saving, the step never happened: its sessions
-return to the queue when their lease expires and are trained later. With `checkpoint_every` > 1
-the steps after the newest checkpoint are lost with the trainer: on resume their sessions go back
-to the queue (`Store.requeue_after`).
+are still leased by the trainer's identity (stable per run), and the restarted trainer takes
+them back at once (`Store.release_owner`). The steps after the newest checkpoint (with
+`checkpoint_every` > 1, or every step before the first checkpoint) are lost with the trainer:
+on resume their sessions go back to the queue (`Store.requeue_after`), so every trajectory ends
+up trained exactly once into weights that survive.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ class CheckpointMeta:
     step: int
     consumed: list[str]
     """Sessions trained by this step."""
-    dropped: list[str]
-    """Sessions left out on purpose (stale, filtered) while forming this step."""
+    dropped: dict[str, str]
+    """Sessions left out on purpose while forming this step -> their outcome (stale,
+    filtered, untrainable)."""
     model: str | None = None
     """The base model directory the run trained, absolute; None in a checkpoint written before
     it was recorded. `save` records the backend's."""
@@ -61,10 +64,13 @@ def is_checkpoint(path: Path) -> bool:
 def read_meta(path: Path) -> CheckpointMeta:
     """The meta of the checkpoint directory `path` (see `is_checkpoint`)."""
     data = json.loads((path / META).read_text())
+    dropped = data.get("dropped", {})
+    if isinstance(dropped, list):  # written before outcomes were recorded: all were stale drops
+        dropped = dict.fromkeys(dropped, "stale")
     return CheckpointMeta(
         int(data["step"]),
         list(data["consumed"]),
-        list(data.get("dropped", [])),
+        dict(dropped),
         data.get("model"),
         data.get("version"),
     )

@@ -129,7 +129,8 @@ class PublishConfig(BaseModel):
 class TrainConfig(RunConfig):
     """Everything a training run needs. Every field has a vetted default except `run`; the
     run-owned fields (`store.run_config.RunConfig`: batch_size, eta, max_concurrent, discount,
-    temperature, client_sampling) are the run's, and `rlgateway train` checks them against it."""
+    temperature, client_sampling, max_tokens, ...) are the run's, and `rlgateway train` checks
+    them against it."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -155,11 +156,28 @@ class TrainConfig(RunConfig):
     """Overrides of the preset's knobs (see trainer.algorithms.AlgorithmConfig)."""
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
     """Optimizer, schedule, precision."""
-    group_size: int = Field(1, ge=1)
-    """Sessions per GRPO group (sessions created with one group_id)."""
+    group_size: int = Field(4, ge=1)
+    """Sessions per group (sessions created with one group_id), whose rewards a group baseline
+    (grpo, dapo, rloo, gspo, dr_grpo) compares: at least 2 there. 1 only for an algorithm without
+    one (ppo, reinforce_pp), whose sessions need no group_id."""
     partial_groups: Literal["wait", "drop", "use"] = "wait"
-    """A group with fewer than group_size finished sessions: wait for the rest, drop it, or use
-    what arrived."""
+    """A group with fewer than group_size trainable sessions: `wait` for the rest until its
+    deadline (`group_deadline_seconds`), then train what arrived; `drop` it at its deadline
+    (its sessions' outcome `incomplete`); `use` what arrived at once."""
+    group_deadline_seconds: float = Field(900.0, gt=0)
+    """A group's deadline: this long after its first member ended, an incomplete group is
+    judged by `partial_groups` (trained as is, or dropped), so a crashed agent never stalls
+    training."""
+    session_idle_seconds: float = Field(1800.0, gt=0)
+    """A session that was never ended and saw no turn (nor reward) for this long is ended by
+    the trainer: trained like any other if it holds a reward, else settled as `orphaned`."""
+    stale_tokens: Literal["mask", "drop"] = "mask"
+    """Tokens older than `eta` policy versions: `mask` leaves them out of the loss (context only,
+    counted in `stale_tokens`), the trajectory trains on the rest (AReaL's token masking);
+    `drop` settles any trajectory holding one as `stale`."""
+    trainer_id: str | None = None
+    """The trainer's identity as it leases sessions; None: `trainer:<run>`. A restarted trainer
+    with the same identity takes back its own leases at once."""
     max_steps: int = Field(100, ge=1)
     """Training steps (policy versions) to run."""
     token_budget: int = Field(1024, ge=16)
@@ -168,8 +186,6 @@ class TrainConfig(RunConfig):
     mostly bounds activation memory; on CPU 512-1024 measured fastest (BENCHMARKS.md, Trainer:
     per-sequence attention). With sdpa's block-diagonal mask attention is quadratic in the row:
     keep it near the typical sequence length there. On GPUs raise it (e.g. 16384)."""
-    max_tokens: int | None = Field(None, ge=1)
-    """The run's max new tokens per turn (for DAPO's overlong shaping and Dr.GRPO's norm_len)."""
     checkpoint_dir: str = "checkpoints"
     """Where checkpoints go (one directory per step; resume picks the newest)."""
     checkpoint_every: int = Field(1, ge=1)
@@ -225,7 +241,21 @@ class TrainConfig(RunConfig):
                 f"moe settings act under the archon backend (MoE models) only; backend is "
                 f"{self.backend!r}: use archon, or drop the moe section"
             )
+        if algo.group_baseline != "none" and self.group_size < 2:
+            raise ValueError(
+                f"algorithm {self.algorithm!r} baselines each reward against its group's "
+                f"(group_baseline {algo.group_baseline}), so with group_size 1 every advantage "
+                "is 0 and nothing is learned: set group_size >= 2 and create each group's "
+                "sessions with one group_id, or use an algorithm without a group baseline "
+                "(ppo, reinforce_pp)"
+            )
         buffer = algo.overlong_buffer
+        if buffer is not None and self.max_tokens is None:
+            raise ValueError(
+                f"algo.overlong_buffer ({buffer}) shapes rewards by the run's max_tokens, which "
+                "is not set: set max_tokens (the max new tokens per turn, which the gateway "
+                "enforces), or algo.overlong_buffer=null to turn overlong shaping off"
+            )
         if buffer is not None and self.max_tokens is not None and buffer > self.max_tokens:
             raise ValueError(
                 f"algo.overlong_buffer ({buffer}) exceeds max_tokens ({self.max_tokens}): DAPO's "

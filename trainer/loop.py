@@ -33,18 +33,17 @@ import logging
 import math
 import statistics
 import time
-import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from store import NotFoundError, Store
-from store.types import RunStatus, Trajectory
-from trainer import checkpoint
+from store.types import Outcome, RunStatus, Trajectory
+from trainer import checkpoint, lineage
 from trainer.algorithms.aggregation import loss_normalizer
-from trainer.algorithms.losses import explained_variance
+from trainer.algorithms.losses import explained_variance, logprob_mismatch
 from trainer.backends.base import TrainBackend, ValueBackend
 from trainer.batch import TrainSequence, split_minibatches
 from trainer.config import TrainConfig
@@ -62,10 +61,6 @@ from trainer.stats import merge_stats
 from trainer.weights import ShardedWeights, serve_weight_passes
 
 log = logging.getLogger(__name__)
-
-
-def _group_key(t: Trajectory) -> str:
-    return t.session.group_id if t.session.group_id is not None else f"solo:{t.session.id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +95,15 @@ class Trainer:
         self.reference = reference
         self.critic = critic
         self.publisher = publisher
-        self.owner = owner or f"trainer-{uuid.uuid4().hex[:12]}"
+        self.owner = owner or cfg.trainer_id or f"trainer:{cfg.run}"
+        """Who leases the sessions this trainer takes: stable per run, so a restarted trainer
+        takes back its own leases at once (`resume`)."""
+        self.lineage = lineage.Lineage()
+        """Which weights each version number names (`trainer.lineage`): staleness is counted
+        in steps along it."""
+        self.settled = Counter[str]()
+        """Sessions settled while collecting since the last metrics row (incomplete,
+        orphaned), by outcome: reported with the next row."""
         self.loss_fn = make_loss_fn(self.algo)
         self.value_loss_fn = make_value_loss_fn(self.algo)
         self.root = Path(cfg.checkpoint_dir)
@@ -123,13 +126,15 @@ class Trainer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def resume(self) -> int:
-        """Load the newest checkpoint (if any), settle its sessions as consumed and put those of
-        later, lost steps back in the queue, then bring the engines to this trainer's weights.
+        """Load the newest checkpoint (if any), settle its sessions and put those of later, lost
+        steps back in the queue, take back this trainer's own leases, then bring the engines to
+        this trainer's weights.
 
         Against a live gateway: republishing the version the engines serve is a no-op; if they
-        serve a newer version (steps after the newest checkpoint were published, then lost), the
-        checkpoint's weights are published as the version after it, so versions only grow; a
-        trainer without a checkpoint continues the engines' numbering. Returns the step."""
+        serve a newer version (steps after the newest checkpoint, or before the first one, were
+        published, then lost), the checkpoint's weights (or the initial ones) are published as
+        the version after it, an alias in the run's lineage (`trainer.lineage`), so versions
+        only grow and staleness still counts steps. Returns the step."""
         found = checkpoint.latest(self.root)
         if found is not None:
             path, meta = found
@@ -149,26 +154,41 @@ class Trainer:
     async def _republish(
         self, found: tuple[Path, checkpoint.CheckpointMeta] | None, weights: ShardedWeights
     ) -> None:
-        """Rank 0 of `resume`: settle the checkpoint's sessions, then bring the engines to this
-        trainer's weights (`resume`'s docstring)."""
+        """Rank 0 of `resume`: settle the checkpoint's sessions, requeue the lost steps', take
+        back this trainer's leases, then bring the engines to this trainer's weights
+        (`resume`'s docstring)."""
+        run = self.cfg.run
+        step = 0
         if found is not None:
             _, meta = found
+            step = meta.step
             await self.store.settle_consumed(meta.consumed, step=meta.step)
-            await self.store.settle_consumed(meta.dropped, step=-1)
-            requeued = await self.store.requeue_after(self.cfg.run, step=meta.step)
-            if requeued:
-                log.info(
-                    "%d sessions trained after checkpoint %d go back to the queue",
-                    requeued,
-                    meta.step,
-                )
-        if self.publisher is not None:
-            served = await self.publisher.served()
-            if found is None:
-                self.version = max(self.version, served)
-            elif served != self.version:
-                target = served + 1 if served > self.version else self.version
-                self.version = await self.publisher.publish(weights, target)
+            for outcome, ids in _by_outcome(meta.dropped).items():
+                await self.store.settle_consumed(ids, step=-1, outcome=outcome)
+        requeued = await self.store.requeue_after(run, step=step)
+        if requeued:
+            log.info("%d sessions trained after step %d go back to the queue", requeued, step)
+        taken_back = await self.store.release_owner(run, self.owner)
+        if taken_back:
+            log.info(
+                "%d sessions this trainer (%s) held go back to the queue", taken_back, self.owner
+            )
+        kept = lineage.load(self.root)
+        served = await self.publisher.served() if self.publisher is not None else None
+        if kept is None:
+            kept = lineage.Lineage(start=served if found is None and served is not None else 0)
+            await asyncio.to_thread(lineage.save, self.root, kept)
+        self.lineage = kept
+        if found is None:
+            self.version = kept.start
+        if self.publisher is None or served is None or served == self.version:
+            return
+        target = self.version
+        if served > self.version:
+            target = served + 1
+            self.lineage.alias(target, self.version)
+            await asyncio.to_thread(lineage.save, self.root, self.lineage)
+        self.version = await self.publisher.publish(weights, target)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Train until `max_steps` (or `stop` is set). Under torchrun every rank runs this: rank 0
@@ -176,15 +196,18 @@ class Trainer:
         while self.step < self.cfg.max_steps:
             if stop is not None and stop.is_set():
                 return
-            batch = await self._collect(stop) if self.is_leader else None
-            batch = _share(batch)
-            if batch is None:
+            claimed = await self._collect(stop) if self.is_leader else None
+            claimed = _share(claimed)
+            if claimed is None:
                 return
-            await self._step(batch)
+            await self._step(claimed)
 
     # -- one step ----------------------------------------------------------------------------
 
-    async def _collect(self, stop: asyncio.Event | None) -> list[Trajectory] | None:
+    async def _collect(self, stop: asyncio.Event | None) -> Claimed | None:
+        """Rank 0: wait for a batch of whole ready groups (`Store.claim_groups`), ending idle
+        sessions and settling groups past their deadline on the way; stale tokens are masked
+        (or, with `stale_tokens: drop`, their trajectories settled as stale)."""
         cfg = self.cfg
         while True:
             if stop is not None and stop.is_set():
@@ -196,25 +219,52 @@ class Trainer:
                     return None
                 await asyncio.sleep(cfg.poll_seconds)  # paused: start no step, hold no lease
                 continue
-            claimed = await self.store.claim(
+            ended, orphaned = await self.store.end_idle(
+                cfg.run, idle_seconds=cfg.session_idle_seconds
+            )
+            if ended:
+                log.warning(
+                    "%d sessions idle for %.0f s were never ended: ended them (%d without a "
+                    "reward settled as orphaned)",
+                    len(ended),
+                    cfg.session_idle_seconds,
+                    len(orphaned),
+                )
+                self.settled[Outcome.ORPHANED] += len(orphaned)
+            claim = await self.store.claim_groups(
                 cfg.run,
-                limit=cfg.batch_size * 4,
+                batch_size=cfg.batch_size,
+                group_size=cfg.group_size,
+                partial_groups=cfg.partial_groups,
+                deadline_seconds=cfg.group_deadline_seconds,
                 owner=self.owner,
                 lease_seconds=cfg.lease_seconds,
                 gamma=cfg.discount,
             )
-            fresh, stale = self._split_stale(claimed)
-            if stale:
-                await self.store.settle_consumed([t.session.id for t in stale], step=-1)
-            chosen, rest, dropped = self._choose(fresh)
-            if dropped:
-                await self.store.settle_consumed([t.session.id for t in dropped], step=-1)
-            if len(chosen) >= cfg.batch_size:
-                if rest:
-                    await self.store.release([t.session.id for t in rest], owner=self.owner)
-                return chosen
-            if chosen or rest:
-                await self.store.release([t.session.id for t in chosen + rest], owner=self.owner)
+            if claim.incomplete:
+                log.warning(
+                    "%d sessions of groups short of group_size %d at their deadline were "
+                    "dropped (partial_groups: drop)",
+                    len(claim.incomplete),
+                    cfg.group_size,
+                )
+                self.settled[Outcome.INCOMPLETE] += len(claim.incomplete)
+            batch = claim.trajectories
+            stale_versions = frozenset(
+                v
+                for v in {v for t in batch for seg in t.segments for v in seg.versions}
+                if v >= 0 and self.lineage.age(v, self.version) > cfg.eta
+            )
+            if cfg.stale_tokens == "drop" and stale_versions:
+                stale = [t for t in batch if _sampled_versions(t) & stale_versions]
+                await self.store.settle_consumed(
+                    [t.session.id for t in stale], step=-1, outcome=Outcome.STALE
+                )
+                self.settled[Outcome.STALE] += len(stale)
+                batch = [t for t in batch if t not in stale]
+                stale_versions = frozenset()
+            if batch:
+                return Claimed(batch, stale_versions)
             await asyncio.sleep(cfg.poll_seconds)
 
     async def _run_status(self) -> RunStatus | None:
@@ -224,50 +274,37 @@ class Trainer:
         except NotFoundError:
             return None
 
-    def _split_stale(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], list[Trajectory]]:
-        oldest_ok = self.version - self.cfg.eta
-        fresh = [t for t in trajs if t.min_version < 0 or t.min_version >= oldest_ok]
-        stale = [t for t in trajs if not (t.min_version < 0 or t.min_version >= oldest_ok)]
-        return fresh, stale
-
-    def _choose(
-        self, trajs: list[Trajectory]
-    ) -> tuple[list[Trajectory], list[Trajectory], list[Trajectory]]:
-        """(train now, give back, drop) under the partial-group policy; whole groups only,
-        oldest first, at least batch_size trajectories when there are that many."""
-        cfg = self.cfg
-        groups: dict[str, list[Trajectory]] = defaultdict(list)
-        for t in trajs:
-            groups[_group_key(t)].append(t)
-        chosen: list[Trajectory] = []
-        rest: list[Trajectory] = []
-        dropped: list[Trajectory] = []
-        for members in groups.values():
-            complete = len(members) >= cfg.group_size or cfg.partial_groups == "use"
-            if not complete and cfg.partial_groups == "drop":
-                dropped += members
-            elif complete and len(chosen) < cfg.batch_size:
-                chosen += members
-            else:
-                rest += members
-        return chosen, rest, dropped
-
-    async def _step(self, batch: list[Trajectory]) -> None:
+    async def _step(self, claimed: Claimed) -> None:
         t0 = time.perf_counter()
+        batch = claimed.trajectories
         ids = [t.session.id for t in batch]
         async with self._leased(ids):
             version = self.version
-            done = await self.update(batch)
-            if not done.sequences:  # every trajectory was filtered out: no new version
+            done = await self.update(batch, claimed.stale_versions)
+            if not done.sequences:  # nothing trainable: no new version, but never in silence
                 if self.is_leader:
-                    await self.store.mark_consumed(ids, owner=self.owner, step=-1)
+                    await self._settle_dropped(done.built)
+                    row = self._emit(
+                        {"step": self.step, "version": self.version, "trained": 0}
+                        | self._outcome_counts(done.built)
+                    )
+                    log.warning(
+                        "a batch of %d trajectories had nothing to train (%s): no step taken",
+                        len(batch),
+                        ", ".join(
+                            f"{k} {v}" for k, v in row.items() if k.startswith("outcome_") and v
+                        ),
+                    )
                 return
             await self._commit(done, version, t0)
 
-    async def update(self, batch: list[Trajectory]) -> Update:
-        """One step's math on `batch`, on every rank: sequences, proximal and reference
-        logprobs, advantages, then the mini-batch optimizer steps. Touches neither the store,
-        the checkpoints nor the engines."""
+    async def update(
+        self, batch: list[Trajectory], stale_versions: frozenset[int] = frozenset()
+    ) -> Update:
+        """One step's math on `batch`, on every rank: sequences (tokens of `stale_versions`
+        left out of the loss), proximal and reference logprobs, advantages, then the
+        mini-batch optimizer steps. Touches neither the store, the checkpoints nor the
+        engines."""
         cfg = self.cfg
         built = build_sequences(
             batch,
@@ -275,13 +312,38 @@ class Trainer:
             max_tokens=cfg.max_tokens,
             discount=cfg.discount,
             temperature=cfg.temperature,
+            fresh=(lambda v: v not in stale_versions) if stale_versions else None,
         )
         if not built.sequences:
             return Update(built, [], {})
         seqs = await self._with_side_logprobs(built.sequences)
         seqs, adv_stats = await self._advantages(built, seqs)
         stats = await self._optimize(seqs)
-        return Update(built, seqs, adv_stats | stats)
+        return Update(built, seqs, adv_stats | self._mismatch(seqs) | stats)
+
+    def _mismatch(self, seqs: list[TrainSequence]) -> dict[str, float]:
+        """The engine-vs-trainer logprob mismatch on the trained tokens sampled by the weights
+        being trained (the proximal logprobs are theirs): `mismatch_*` and how many tokens."""
+        import torch
+
+        if not self.algo.needs_proximal:
+            return {}
+        rows = [
+            (p, b)
+            for s in seqs
+            for p, b, v, m in zip(
+                s.prox_logprobs or [], s.behav_logprobs, s.versions, s.loss_mask, strict=False
+            )
+            if m and v >= 0 and self.lineage.age(v, self.version) == 0
+        ]
+        out = {"mismatch_tokens": float(len(rows))}
+        if rows:
+            prox, behav = (
+                torch.tensor([r[k] for r in rows], dtype=torch.float64)[None] for k in (0, 1)
+            )
+            stats = logprob_mismatch(prox, behav, torch.ones_like(prox, dtype=torch.bool))
+            out |= {k: float(v) for k, v in stats.items()}
+        return out
 
     async def _with_side_logprobs(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
         """Proximal (the current weights) and reference logprobs, as the algorithm needs them."""
@@ -318,13 +380,13 @@ class Trainer:
             ref = [s.ref_logprobs or [] for s in seqs]
             kl, stats["kl_ref"] = kl_token_rewards(seqs, ref, algo)
         if not algo.use_critic:
-            return with_advantages(seqs, algo, kl), stats
+            return with_advantages(seqs, algo, kl, built.discounts), stats
         assert self.critic is not None
         assert built.token_rewards is not None
         values = await asyncio.to_thread(
             self.critic.forward_values, seqs, token_budget=self.cfg.token_budget
         )
-        seqs = with_gae(seqs, built.token_rewards, values, algo, kl)
+        seqs = with_gae(seqs, built.token_rewards, values, algo, kl, built.discounts)
         stats["explained_variance"] = _explained_variance(seqs)
         return seqs, stats
 
@@ -332,11 +394,19 @@ class Trainer:
         """`ppo_epochs` passes over the mini-batches, one optimizer step of the policy (and of
         the critic) each; the LR schedule advances once, after the last."""
         cfg, algo = self.cfg, self.algo
-        parts = split_minibatches([len(s) for s in seqs], algo.ppo_n_minibatches)
+        # Each epoch its own split, seeded alike on every rank, so mini-batches mix anew.
+        lengths = [len(s) for s in seqs]
+        epochs = [
+            split_minibatches(
+                lengths, algo.ppo_n_minibatches, seed=f"{cfg.optim.seed}:{self.step}:{e}"
+            )
+            for e in range(algo.ppo_epochs)
+        ]
+        parts = epochs[0]
         updates: list[tuple[int, dict[str, float]]] = []
         total = algo.ppo_epochs * len(parts)
         for k in range(total):
-            chosen = [seqs[i] for i in parts[k % len(parts)]]
+            chosen = [seqs[i] for i in epochs[k // len(parts)][k % len(parts)]]
             n_tokens = sum(s.num_loss_tokens for s in chosen)
             norm = loss_normalizer(algo.agg, num_tokens=n_tokens, num_seqs=len(chosen))
             last = k == total - 1
@@ -391,6 +461,28 @@ class Trainer:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
+    async def _settle_dropped(self, built: Built) -> None:
+        """Rank 0: the batch's trajectories left out, each with its outcome, at step -1."""
+        for outcome, ids in _by_outcome(_dropped_outcomes(built)).items():
+            await self.store.mark_consumed(ids, owner=self.owner, step=-1, outcome=outcome)
+
+    def _outcome_counts(self, built: Built) -> dict[str, Any]:
+        """The outcome counts of a metrics row: this batch's, and the sessions settled while
+        collecting it (reset here)."""
+        counts = {
+            "outcome_trained": len(built.used),
+            "outcome_filtered": len(built.filtered),
+            "outcome_untrainable": len(built.untrainable),
+            "outcome_stale": len(built.stale) + self.settled[Outcome.STALE],
+            "outcome_incomplete": self.settled[Outcome.INCOMPLETE],
+            "outcome_orphaned": self.settled[Outcome.ORPHANED],
+            "stale_tokens": built.stale_tokens,
+            "untrainable_turns": built.untrainable_turns,
+            "aborted_turns": built.aborted_turns,
+        }
+        self.settled.clear()
+        return counts
+
     async def _commit(self, done: Update, version: int, t0: float) -> None:
         """Checkpoint (every `checkpoint_every` steps and at the last), mark the sessions
         consumed, publish the next version, record the step."""
@@ -398,7 +490,7 @@ class Trainer:
         self.step += 1
         step, new_version = self.step, self.version + 1
         used = [t.session.id for t in built.used]
-        dropped = [t.session.id for t in built.dropped]
+        dropped = _dropped_outcomes(built)
         saved = None
         if step % cfg.checkpoint_every == 0 or step >= cfg.max_steps:
             saved = await asyncio.to_thread(
@@ -416,15 +508,17 @@ class Trainer:
             return
         with ShardedWeights(backend) as weights:
             await self.store.mark_consumed(used, owner=self.owner, step=step)
-            if dropped:
-                await self.store.mark_consumed(dropped, owner=self.owner, step=-1)
+            await self._settle_dropped(built)
             if self.publisher is not None:
                 self.version = await self.publisher.publish(weights, new_version)
         elapsed = time.perf_counter() - t0
         seqs = done.sequences
         n_tokens = sum(s.num_loss_tokens for s in seqs)
         staleness = [
-            version - v for s in seqs for v, m in zip(s.versions, s.loss_mask, strict=True) if m
+            self.lineage.age(v, version)
+            for s in seqs
+            for v, m in zip(s.versions, s.loss_mask, strict=True)
+            if m
         ]
         rewards = built.rewards
         row = self._emit(
@@ -433,10 +527,7 @@ class Trainer:
                 "version": self.version,
                 "trajectories": len(built.used),
                 "dropped": len(built.dropped),
-                # turns the agents never received whole (aborted): recorded, not trained
-                "aborted_turns": built.aborted_turns,
-                # turns sampled where the trainer cannot reproduce the distribution: context only
-                "untrainable_turns": built.untrainable_turns,
+                **self._outcome_counts(built),
                 "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
                 "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
                 "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
@@ -464,6 +555,35 @@ class Trainer:
     def close(self) -> None:
         """Flush and close the metric writers (TensorBoard, W&B)."""
         self.sink.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A batch as rank 0 hands it to every rank: the trajectories, and the policy versions
+    whose tokens are too old to train (left out of the loss, `stale_tokens: mask`)."""
+
+    trajectories: list[Trajectory]
+    stale_versions: frozenset[int] = frozenset()
+
+
+def _sampled_versions(t: Trajectory) -> set[int]:
+    return {v for seg in t.segments for v, m in zip(seg.versions, seg.loss_mask, strict=True) if m}
+
+
+def _dropped_outcomes(built: Built) -> dict[str, str]:
+    """Session id -> outcome of every trajectory of the batch left out."""
+    return (
+        {t.session.id: Outcome.FILTERED.value for t in built.filtered}
+        | {t.session.id: Outcome.UNTRAINABLE.value for t in built.untrainable}
+        | {t.session.id: Outcome.STALE.value for t in built.stale}
+    )
+
+
+def _by_outcome(dropped: dict[str, str]) -> dict[Outcome, list[str]]:
+    out: dict[Outcome, list[str]] = defaultdict(list)
+    for sid, outcome in dropped.items():
+        out[Outcome(outcome)].append(sid)
+    return dict(out)
 
 
 def merge_update_stats(updates: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
@@ -504,7 +624,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _share(batch: list[Trajectory] | None) -> list[Trajectory] | None:
+def _share(batch: Claimed | None) -> Claimed | None:
     """Rank 0's batch on every rank (a no-op in one process)."""
     import torch.distributed as dist
 
@@ -512,7 +632,7 @@ def _share(batch: list[Trajectory] | None) -> list[Trajectory] | None:
         return batch
     box: list[Any] = [batch]
     dist.broadcast_object_list(box, src=0)
-    shared: list[Trajectory] | None = box[0]
+    shared: Claimed | None = box[0]
     return shared
 
 

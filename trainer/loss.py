@@ -15,7 +15,8 @@ from trainer.batch import MicroBatch
 
 
 def make_loss_fn(algo: AlgorithmConfig) -> LossFn:
-    """PPO-family policy loss (decoupled, clip-higher, dual clip, token or sequence ratio), plus
+    """PPO-family policy loss (decoupled with its behaviour weight masked, truncated or
+    IcePop-masked at the cap, clip-higher, dual clip, token or sequence ratio), plus
     `kl_coef * KL(current || reference)` when the KL is placed in the loss, minus
     `entropy_coef * entropy` when an entropy bonus is set; every term aggregated by `algo.agg`.
     Stats: the policy loss's, `entropy` (mean over trained tokens, whenever the backend computes
@@ -51,6 +52,7 @@ def make_loss_fn(algo: AlgorithmConfig) -> LossFn:
             dual_clip_c=algo.dual_clip_c,
             behav_logp_BT=mb.behav_logp_1T if algo.decoupled else None,
             behav_imp_weight_cap=algo.behav_imp_weight_cap if algo.decoupled else None,
+            behav_imp_weight_mode=algo.behav_imp_weight_mode,
             level=algo.importance_level,
             agg=algo.agg,
             norm_len=algo.norm_len,

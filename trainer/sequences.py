@@ -12,10 +12,14 @@ sampled at (`TrainSequence.temperatures`); a turn whose distribution the trainer
 (greedy, top-p, top-k, min-p, min_tokens) keeps its tokens as context with loss mask 0 and is
 counted in `Built.untrainable_turns`.
 
-Per-turn advantages: turn i of trajectory n has the discounted return G_ni (the store's
-`returns`). The group baseline is taken over the episode returns G_n0 of the group, and the turn's
-advantage is `(G_ni - b_g) / s_g`, where s_g is the group std for mean_std and 1 otherwise: for a
-single turn, or a final reward with gamma 1, this is exactly GRPO/RLOO/Dr.GRPO on the episode.
+Multi-turn credit (docs/architecture.md, "Multi-turn credit"): turn i of trajectory n has the
+discounted return G_ni = r_ni + discount * G_n,i+1 (the store's `returns`). Its value is
+`turn_group_advantages`: G_ni against the returns of the same turn position i in its group
+(mean, std, leave-one-out over the members that reached turn i). Returns are only comparable
+at one position (the same number of future rewards, the same discounting ahead), so that is
+where the statistics are taken; a uniform group gets 0, never 1 / eps, and a single-turn group
+is exactly GRPO/RLOO/Dr.GRPO on the episode. Shaping (the overlong penalty) shifts every turn's
+return of its trajectory; dynamic sampling looks at the task rewards alone.
 
 With a critic (PPO) the critic's values replace the group baseline: each turn's reward goes on its
 last sampled token (`critic_token_rewards`), the loop asks the critic for its values of the batch,
@@ -26,6 +30,7 @@ returns the critic regresses on.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +39,11 @@ from store.run_config import reproducible_temperature
 from store.types import Segment, Trajectory
 from trainer.algorithms.advantages import (
     gae,
-    group_baseline,
     normalize,
     reward_to_go,
     rewards_at_turn_ends,
+    turn_discounts,
+    turn_group_advantages,
     turn_values_to_tokens,
 )
 from trainer.algorithms.config import AlgorithmConfig
@@ -54,19 +60,33 @@ class Built:
     they are 0 until `with_gae`."""
     used: list[Trajectory]
     """Trajectories that contributed sequences (trained)."""
-    dropped: list[Trajectory]
-    """Trajectories left out on purpose (dynamic sampling, no sampled tokens)."""
+    filtered: list[Trajectory]
+    """Left out by dynamic sampling (their group's task rewards were all equal)."""
+    untrainable: list[Trajectory]
+    """Nothing to train: no sampled token, or only turns the trainer cannot reproduce."""
+    stale: list[Trajectory]
+    """Every trainable token older than the staleness bound (`build_sequences`'s `fresh`)."""
     rewards: list[float]
     """Episode rewards of `used`, after shaping."""
     token_rewards: list[list[float]] | None = None
     """With a critic: per sequence, each turn's reward on the turn's last sampled token (GAE's
     input, see `critic_token_rewards`); the sequences' advantages are then 0 until `with_gae`."""
+    discounts: list[list[float]] = dataclasses.field(default_factory=list)
+    """Per sequence, `turn_discounts`: the per-turn discount as GAE and the KL reward-to-go
+    apply it (1 inside a turn)."""
     aborted_turns: int = 0
     """Aborted turns of the given trajectories, left out by the store (replies their agent never
     saw whole are never trained): the step's count of them."""
     untrainable_turns: int = 0
     """Turns sampled under a distribution the trainer cannot reproduce (module docstring): kept
     as context, left out of the loss."""
+    stale_tokens: int = 0
+    """Sampled tokens left out of the loss as older than the staleness bound (context only)."""
+
+    @property
+    def dropped(self) -> list[Trajectory]:
+        """Every trajectory left out (filtered, untrainable, stale)."""
+        return [*self.filtered, *self.untrainable, *self.stale]
 
 
 def _group_key(t: Trajectory) -> str:
@@ -75,21 +95,26 @@ def _group_key(t: Trajectory) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Tokens:
-    """One segment as the trainer takes it: loss mask without its untrainable turns, and each
-    token's temperature."""
+    """One segment as the trainer takes it: loss mask without its untrainable turns and stale
+    tokens, and each token's temperature."""
 
     loss_mask: list[int]
     temperatures: list[float]
     untrainable: int
+    stale: int
+    """Sampled tokens of reproducible turns masked as stale."""
     spans: list[tuple[int, int]]
-    """The turn spans, an untrainable turn's made empty (its reward then goes to the trained
-    token before it, `rewards_at_turn_ends`)."""
+    """The turn spans cut to their trained tokens (first to last), an untrainable or wholly
+    stale turn's made empty (its reward then goes to the trained token before it,
+    `rewards_at_turn_ends`)."""
 
 
-def _segment_tokens(seg: Segment, default_temperature: float) -> _Tokens:
+def _segment_tokens(
+    seg: Segment, default_temperature: float, fresh: Callable[[int], bool] | None
+) -> _Tokens:
     mask = list(seg.loss_mask)
     temps = [default_temperature] * len(seg.tokens)
-    untrainable = 0
+    untrainable = stale = 0
     spans: list[tuple[int, int]] = []
     sampling = seg.turn_sampling or [{}] * len(seg.turn_spans)
     for (start, end), settings in zip(seg.turn_spans, sampling, strict=True):
@@ -98,10 +123,41 @@ def _segment_tokens(seg: Segment, default_temperature: float) -> _Tokens:
             untrainable += 1
             mask[start:end] = [0] * (end - start)
             spans.append((start, start))
-        else:
-            temps[start:end] = [t] * (end - start)
-            spans.append((start, end))
-    return _Tokens(mask, temps, untrainable, spans)
+            continue
+        temps[start:end] = [t] * (end - start)
+        if fresh is not None:
+            for pos in range(start, end):
+                if mask[pos] and not fresh(seg.versions[pos]):
+                    mask[pos] = 0
+                    stale += 1
+        kept = [pos for pos in range(start, end) if mask[pos]]
+        spans.append((kept[0], kept[-1] + 1) if kept else (start, start))
+    return _Tokens(mask, temps, untrainable, stale, spans)
+
+
+def _turn_values(
+    trajectories: list[Trajectory],
+    kept: list[int],
+    keys: list[str],
+    shift: list[float],
+    algo: AlgorithmConfig,
+) -> dict[tuple[int, str], float]:
+    """(trajectory index, completion id) -> the turn's value: its discounted return (plus the
+    trajectory's shaping shift) against its position in the group (`turn_group_advantages`),
+    or the plain return with a critic (whose values are the baseline)."""
+    rows = [(i, p, cid) for i in kept for p, cid in enumerate(trajectories[i].returns)]
+    returns = [trajectories[i].returns[cid] + shift[i] for i, _, cid in rows]
+    if algo.use_critic:
+        values = returns
+    else:
+        values = turn_group_advantages(
+            torch.tensor(returns, dtype=torch.float64),
+            [keys[i] for i, _, _ in rows],
+            [p for _, p, _ in rows],
+            algo.group_baseline,
+            algo.norm_eps,
+        ).tolist()
+    return {(i, cid): v for (i, _, cid), v in zip(rows, values, strict=True)}
 
 
 def build_sequences(
@@ -111,14 +167,19 @@ def build_sequences(
     max_tokens: int | None = None,
     discount: float = 1.0,
     temperature: float = 1.0,
+    fresh: Callable[[int], bool] | None = None,
 ) -> Built:
     """Sequences with their turns' values against the group baseline (module docstring; finish
     them with `with_advantages`). With a critic (`use_critic`) the advantages are left at 0 and
     `Built.token_rewards` is filled instead: GAE needs the critic's values first (`with_gae`).
     `discount` is the per-turn gamma the store's returns were discounted with (the run config's
-    `discount`); `temperature` is the run's, for turns that record none."""
+    `discount`), which GAE and the KL reward-to-go then apply between turns too;
+    `temperature` is the run's, for turns that record none. `fresh(version)` says whether a
+    token sampled by that policy version may be trained (the staleness bound); a token it
+    refuses stays context, and a trajectory left with none is `stale`."""
     keys = [_group_key(t) for t in trajectories]
-    rewards = [t.reward for t in trajectories]
+    task = [t.reward for t in trajectories]
+    rewards = list(task)
     if algo.overlong_buffer is not None and max_tokens is not None:
         lengths = [
             max((b - a for s in t.segments for a, b in s.turn_spans), default=0)
@@ -133,56 +194,44 @@ def build_sequences(
         )
         rewards = shaped.tolist()
     keep = [True] * len(trajectories)
-    if algo.dynamic_sampling and trajectories:
-        keep = drop_uniform_groups(torch.tensor(rewards, dtype=torch.float64), keys).tolist()
+    if algo.dynamic_sampling and trajectories:  # on the task's rewards, not the length-shaped
+        keep = drop_uniform_groups(torch.tensor(task, dtype=torch.float64), keys).tolist()
     kept = [i for i in range(len(trajectories)) if keep[i]]
-    dropped = [trajectories[i] for i in range(len(trajectories)) if not keep[i]]
+    filtered = [trajectories[i] for i in range(len(trajectories)) if not keep[i]]
     shift = [r - trajectories[i].reward for i, r in enumerate(rewards)]
-
-    if algo.use_critic:  # the critic's values are the baseline
-        base = [(0.0, 1.0)] * len(kept)
-    else:
-        episode = [
-            (
-                trajectories[i].returns[_first_turn(trajectories[i])]
-                if trajectories[i].returns
-                else 0.0
-            )
-            + shift[i]
-            for i in kept
-        ]
-        baseline_N, scale_N = group_baseline(
-            torch.tensor(episode, dtype=torch.float64),
-            [keys[i] for i in kept],
-            algo.group_baseline,
-            algo.norm_eps,
-        )
-        base = list(zip(baseline_N.tolist(), scale_N.tolist(), strict=True))
+    values = _turn_values(trajectories, kept, keys, shift, algo)
 
     sequences: list[TrainSequence] = []
     token_rewards: list[list[float]] = []
+    discounts: list[list[float]] = []
     used: list[Trajectory] = []
+    untrainable_trajs: list[Trajectory] = []
+    stale_trajs: list[Trajectory] = []
     used_rewards: list[float] = []
-    untrainable = 0
-    for (b, scale), i in zip(base, kept, strict=True):
+    untrainable = stale = 0
+    for i in kept:
         t = trajectories[i]
-        produced = False
+        produced = saw_stale = False
         for seg in t.segments:
             if not any(seg.loss_mask):
                 continue
-            toks = _segment_tokens(seg, temperature)
+            toks = _segment_tokens(seg, temperature, fresh)
             untrainable += toks.untrainable
+            stale += toks.stale
+            saw_stale |= toks.stale > 0
             if not any(toks.loss_mask):
                 continue
-            returns = [t.returns.get(cid, 0.0) + shift[i] for cid in seg.completion_ids]
+            turn = [values[(i, cid)] for cid in seg.completion_ids]
             if algo.use_critic:
-                r_T = critic_token_rewards(returns, toks.spans, len(seg.tokens), discount)
+                r_T = critic_token_rewards(turn, toks.spans, len(seg.tokens), discount)
                 token_rewards.append(r_T.tolist())
                 adv = [0.0] * len(seg.tokens)
             else:
-                values = torch.tensor([(g - b) * scale for g in returns], dtype=torch.float64)
-                adv_T = turn_values_to_tokens(values, seg.turn_spans, len(seg.tokens))
+                adv_T = turn_values_to_tokens(
+                    torch.tensor(turn, dtype=torch.float64), seg.turn_spans, len(seg.tokens)
+                )
                 adv = [v if m else 0.0 for v, m in zip(adv_T.tolist(), toks.loss_mask, strict=True)]
+            discounts.append(turn_discounts(toks.spans, len(seg.tokens), discount).tolist())
             sequences.append(
                 TrainSequence(
                     tokens=list(seg.tokens),
@@ -201,16 +250,22 @@ def build_sequences(
         if produced:
             used.append(t)
             used_rewards.append(rewards[i])
+        elif saw_stale:
+            stale_trajs.append(t)
         else:
-            dropped.append(t)
+            untrainable_trajs.append(t)
     return Built(
         sequences,
         used,
-        dropped,
+        filtered,
+        untrainable_trajs,
+        stale_trajs,
         used_rewards,
         token_rewards if algo.use_critic else None,
+        discounts,
         aborted_turns=sum(t.aborted_turns for t in trajectories),
         untrainable_turns=untrainable,
+        stale_tokens=stale,
     )
 
 
@@ -223,12 +278,15 @@ def critic_token_rewards(
     turn gets its whole return G_k, which is its own reward plus the discounted return of every
     later turn of the trajectory (later segments): the segment's tail is the Monte Carlo return
     rather than a bootstrap, and with one final reward and gamma = 1 each turn's token reward is
-    0 but the last one, which is that reward.
+    0 but the last one, which is that reward. GAE then discounts once per turn (`turn_discounts`),
+    so with V = 0 and lambda = 1 every token of turn j gets G_j.
     """
     g = [*returns, 0.0]
     own = [g[j] - discount * g[j + 1] for j in range(len(returns) - 1)]
     per_turn = [*own, g[len(returns) - 1]] if returns else []
-    return rewards_at_turn_ends(torch.tensor(per_turn, dtype=torch.float64), spans, length)
+    return rewards_at_turn_ends(
+        torch.tensor(per_turn, dtype=torch.float64), spans, length, discount
+    )
 
 
 def kl_token_rewards(
@@ -254,10 +312,12 @@ def with_advantages(
     seqs: list[TrainSequence],
     algo: AlgorithmConfig,
     kl_rewards: list[list[float]] | None = None,
+    discounts: list[list[float]] | None = None,
 ) -> list[TrainSequence]:
     """Final token advantages without a critic: each sequence's turn values (`build_sequences`)
-    plus the reward-to-go of its KL token rewards, if any (gamma = `algo.gamma` per sampled token;
-    AReaL's GAE with V = 0 and lambda = 1), then batch normalisation when `adv_norm` is batch."""
+    plus the reward-to-go of its KL token rewards, if any (discounted per turn by `discounts`,
+    `Built.discounts`, 1 per token without them; AReaL's GAE with V = 0 and lambda = 1), then
+    batch normalisation when `adv_norm` is batch."""
     if not seqs:
         return []
     advs: list[torch.Tensor] = []
@@ -266,7 +326,8 @@ def with_advantages(
         mask_T = torch.tensor(s.loss_mask, dtype=torch.bool)
         if kl_rewards is not None:
             kl_T = torch.tensor(kl_rewards[k], dtype=torch.float64)
-            adv_T = adv_T + reward_to_go(kl_T, mask_T, algo.gamma)
+            g_T = torch.tensor(discounts[k], dtype=torch.float64) if discounts else 1.0
+            adv_T = adv_T + reward_to_go(kl_T, mask_T, g_T)
         advs.append(torch.where(mask_T, adv_T, torch.zeros_like(adv_T)))
     if algo.adv_norm == "batch":
         flat = torch.cat(advs)[None]
@@ -289,15 +350,17 @@ def with_gae(
     values: list[list[float]],
     algo: AlgorithmConfig,
     kl_rewards: list[list[float]] | None = None,
+    discounts: list[list[float]] | None = None,
 ) -> list[TrainSequence]:
     """The sequences with GAE advantages (batch-normalised when `adv_norm` is batch), the critic's
     old `values` and the `returns` it regresses on, all 0 off the loss mask. `kl_rewards` (the KL
     penalty in the reward, `kl_token_rewards`) are added to the token rewards first.
 
     `values[i][t]` is the critic's value of the state before token t (`forward_values`). GAE runs
-    over each sequence's sampled tokens only (`trainer.algorithms.gae`, gamma = `algo.gamma`,
-    lambda = `algo.lam`), in float64; padding the batch to one width changes nothing because
-    padded positions are masked.
+    over each sequence's sampled tokens only (`trainer.algorithms.gae`, the per-turn discount
+    `discounts` of `Built.discounts`, 1 per token without them, lambda = `algo.lam`), in
+    float64; padding the batch to one width changes nothing because padded positions are
+    masked.
     """
     if not seqs:
         return []
@@ -305,14 +368,17 @@ def with_gae(
     r_BT = torch.zeros(len(seqs), width, dtype=torch.float64)
     v_BT = torch.zeros_like(r_BT)
     m_BT = torch.zeros(len(seqs), width, dtype=torch.bool)
+    g_BT = torch.ones_like(r_BT)
     for b, (s, r, v) in enumerate(zip(seqs, token_rewards, values, strict=True)):
         n = len(s)
+        if discounts is not None:
+            g_BT[b, :n] = torch.tensor(discounts[b], dtype=torch.float64)
         r_BT[b, :n] = torch.tensor(r, dtype=torch.float64)
         if kl_rewards is not None:
             r_BT[b, :n] += torch.tensor(kl_rewards[b], dtype=torch.float64)
         v_BT[b, :n] = torch.tensor(v, dtype=torch.float64)
         m_BT[b, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
-    adv_BT, ret_BT = gae(r_BT, v_BT, m_BT, algo.gamma, algo.lam)
+    adv_BT, ret_BT = gae(r_BT, v_BT, m_BT, g_BT, algo.lam)
     if algo.adv_norm == "batch":
         adv_BT = normalize(adv_BT, m_BT, algo.norm_eps)
     v_BT = torch.where(m_BT, v_BT, torch.zeros_like(v_BT))
@@ -328,7 +394,3 @@ def with_gae(
             )
         )
     return out
-
-
-def _first_turn(t: Trajectory) -> str:
-    return next(iter(t.returns))

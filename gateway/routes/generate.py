@@ -4,7 +4,9 @@ A request runs only while its client is connected (a client that disconnects or 
 its generation, recorded as aborted), and a retried non-streaming request of a session yields one
 turn (`gateway.attempts`: an `Idempotency-Key`, or the openai and anthropic SDKs'
 `x-stainless-retry-count`). A replayed answer carries `Idempotent-Replayed: true`. Every answer
-says which sampling contract it was sampled under in `x-rlgateway-sampling` (`record` or `run`).
+says which sampling contract it was sampled under in `x-rlgateway-sampling` (`record` or `run`),
+and an answer of a run that caps turns at its `max_tokens` N says `x-rlgateway-max-tokens:
+capped N` (`store.run_config`, the turn budget).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from gateway.auth import require_active, resolve
 from gateway.choices import EventStream
 from gateway.deps import Gateway
 from gateway.errors import BadRequest, error_docs
-from gateway.sampling import contract_of
-from store.run_config import SAMPLING_HEADER, ClientSampling
+from gateway.sampling import contract_of, max_tokens_cap
+from store.run_config import MAX_TOKENS_HEADER, SAMPLING_HEADER, RunConfig
 
 T = TypeVar("T")
 
@@ -64,10 +66,20 @@ class _EventStreamResponse(StreamingResponse):
             await self.close()
 
 
+def run_headers(run: RunConfig | None) -> dict[str, str]:
+    """What every answer of a request under `run` (None: outside any run) says of how it was
+    sampled: the contract, and the run's cap on new tokens when it sets one."""
+    headers: dict[str, str] = {SAMPLING_HEADER: contract_of(run)}
+    cap = max_tokens_cap(run)
+    if cap is not None:
+        headers[MAX_TOKENS_HEADER] = f"capped {cap}"
+    return headers
+
+
 def _respond(
-    result: Result, contract: ClientSampling, extra: dict[str, str], *, replayed: bool = False
+    result: Result, sampled: dict[str, str], extra: dict[str, str], *, replayed: bool = False
 ) -> Response:
-    headers: dict[str, str] = {SAMPLING_HEADER: contract, **extra}
+    headers: dict[str, str] = {**sampled, **extra}
     if isinstance(result, dict):
         if replayed:
             headers["Idempotent-Replayed"] = "true"
@@ -153,7 +165,7 @@ async def generate(
         check()
     sid = caller.session.id if caller.session else None
     run = None if caller.session is None else await gw.run_configs.of(caller.session.run_id)
-    contract = contract_of(run)
+    sampled = run_headers(run)
     count = _retry_count(request)
     retry = count is not None and count >= 1
     key = None if body.stream or sid is None else await _attempt_key(request, route, sid)
@@ -162,7 +174,7 @@ async def generate(
         result = await _while_connected(request, create(body, sid, run=run, retry=retry))
         if result is None:
             return Response(status_code=CLIENT_GONE)
-        return _respond(result, contract, extra)
+        return _respond(result, sampled, extra)
 
     async def answer(known: bool) -> dict[str, Any]:
         # An earlier attempt known here either answered (replayed), left an aborted turn (which
@@ -176,4 +188,4 @@ async def generate(
     if replay is None:
         return Response(status_code=CLIENT_GONE)
     response, replayed = replay
-    return _respond(response, contract, extra, replayed=replayed)
+    return _respond(response, sampled, extra, replayed=replayed)

@@ -59,7 +59,10 @@ async def list_runs(gw: GatewayDep, _: AdminDep) -> dict[str, Any]:
 
 @router.get("/runs/{run_id}", responses=_RUN)
 async def get_run(gw: GatewayDep, _: RunAgentDep, run_id: str) -> dict[str, Any]:
-    return run_json(await gw.store.get_run(run_id))
+    """The run, with `outcomes`: how many of its sessions the trainer settled in each outcome
+    (trained, stale, filtered, untrainable, incomplete, orphaned) and how many are `pending`."""
+    run = await gw.store.get_run(run_id)
+    return {**run_json(run), "outcomes": await gw.store.outcome_counts(run_id)}
 
 
 async def _set_status(gw: GatewayDep, run_id: str, status: RunStatus) -> dict[str, Any]:

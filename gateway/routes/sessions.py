@@ -51,9 +51,14 @@ async def _gamma(gw: Gateway, run_id: str) -> float:
 async def reward(
     gw: GatewayDep, request: Request, session_id: str, body: RewardIn
 ) -> dict[str, Any]:
-    await resolve(request, gw.sessions, gw.settings.admin_token, session_id)
+    """Record a reward. A session the trainer already took (trained, dropped, or in a step)
+    answers 409, unless the run's `late_rewards` is `record`: then it is kept, flagged `late`,
+    for the export only."""
+    caller = await resolve(request, gw.sessions, gw.settings.admin_token, session_id)
+    assert caller.session is not None
+    late = (await gw.run_configs.of(caller.session.run_id)).late_rewards
     recorded = await gw.store.add_reward(
-        session_id, body.reward, completion_id=body.completion_id, key=body.key
+        session_id, body.reward, completion_id=body.completion_id, key=body.key, late=late
     )
     if recorded:
         gw.metrics.rewards.labels(source="api").inc()

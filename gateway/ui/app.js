@@ -102,13 +102,21 @@ async function runPage(runId) {
       el("dt", {}, "config"), el("dd", { class: "mono" }, JSON.stringify(run.config)),
       el("dt", {}, "created"), el("dd", {}, fmtTime(run.created_at))),
     controls, el("p", { class: "error", id: "action-error" }),
-    el("h2", {}, "Training"), charts, el("h2", {}, "Sessions"), filters, sessions);
+    el("h2", {}, "Training"), outcomeTable(run.outcomes), charts, el("h2", {}, "Sessions"), filters, sessions);
   const refresh = async () => {
     const m = await api("GET", `/runs/${enc(runId)}/metrics`);
     charts.replaceChildren(...CHARTS.map(([key, title]) => lineChart(title, m.steps, m.series[key] || [], "chart-" + key)));
   };
   await Promise.all([refresh(), loadSessions(runId, sessions, filters, 0)]);
   pollTimer = setInterval(() => refresh().catch(() => {}), 3000);
+}
+
+// What the trainer made of the run's sessions: every one it took ends in one outcome.
+function outcomeTable(outcomes) {
+  const names = ["trained", "stale", "filtered", "untrainable", "incomplete", "orphaned", "pending"];
+  return el("table", { testid: "outcomes" },
+    el("tr", {}, ...names.map((n) => el("th", {}, n))),
+    el("tr", {}, ...names.map((n) => el("td", { testid: "outcome-" + n }, (outcomes || {})[n] ?? 0))));
 }
 
 async function runAction(runId, action) {
@@ -157,7 +165,7 @@ async function loadSessions(runId, target, form, offset) {
     el("tr", { class: "link", testid: "session-row", "data-session": s.id, onclick: () => (location.hash = "#/sessions/" + enc(s.id)) },
       el("td", { class: "mono" }, s.id), el("td", {}, statusBadge(s.status)), el("td", {}, s.group_id || "–"),
       el("td", {}, s.turns), el("td", {}, fmtNum(s.reward)), el("td", {}, s.prefix_breaks),
-      el("td", {}, s.train_state), el("td", {}, fmtTime(s.created_at))));
+      el("td", {}, s.outcome || s.train_state), el("td", {}, fmtTime(s.created_at))));
   const pager = el("div", { class: "pager" },
     `${data.total} sessions, showing ${data.total ? offset + 1 : 0}–${offset + data.sessions.length}`,
     offset > 0 ? el("button", { onclick: () => loadSessions(runId, target, form, Math.max(0, offset - 25)) }, "Newer") : "",
@@ -174,7 +182,7 @@ async function sessionPage(sessionId) {
   const completions = s.segments.flatMap((g) => g.completion_ids);
   const rewards = el("table", { testid: "rewards" },
     el("tr", {}, ...["reward", "turn", "key", "at"].map((h) => el("th", {}, h))),
-    ...s.rewards.map((r) => el("tr", { testid: "reward-row" }, el("td", {}, fmtNum(r.reward)),
+    ...s.rewards.map((r) => el("tr", { testid: "reward-row" }, el("td", {}, fmtNum(r.reward), r.late ? " (late: not trained)" : ""),
       el("td", { class: "mono" }, r.completion_id || "final"), el("td", { class: "mono" }, r.key || "–"), el("td", {}, fmtTime(r.created_at)))));
   const value = el("input", { type: "number", step: "any", required: "", testid: "reward-value", name: "reward" });
   const target = el("select", { testid: "reward-target", name: "completion_id" },
@@ -196,7 +204,8 @@ async function sessionPage(sessionId) {
       el("dt", {}, "group"), el("dd", {}, s.group_id || "–"),
       el("dt", {}, "metadata"), el("dd", { class: "mono" }, JSON.stringify(s.metadata)),
       el("dt", {}, "prefix breaks"), el("dd", {}, s.prefix_breaks),
-      el("dt", {}, "training"), el("dd", {}, s.train_state),
+      el("dt", {}, "training"), el("dd", { testid: "outcome" },
+        s.outcome ? `${s.outcome}${s.outcome === "trained" ? " at step " + s.consumed_step : ""}` : s.train_state),
       el("dt", {}, "returns"), el("dd", { class: "mono", testid: "returns" }, JSON.stringify(s.returns))),
     el("h2", {}, "Rewards"), rewards, form,
     el("h2", {}, "Trajectory"),

@@ -50,7 +50,7 @@ def export_trained(model_dir: Path, tmp: Path) -> Exported:
     fsdp_worker.train(backend, fsdp_worker.make_sequences())
     assert backend.step == VERSION
     root = tmp / "checkpoints"
-    meta = checkpoint.CheckpointMeta(backend.step, consumed=["s-1"], dropped=[])
+    meta = checkpoint.CheckpointMeta(backend.step, consumed=["s-1"], dropped={})
     saved = checkpoint.save(root, backend, meta, keep=2)
     out = tmp / "export"
     assert main(["export-model", str(root), str(out)]) == 0

@@ -68,6 +68,8 @@ async def test_a_run_config_is_the_trainers_and_a_bad_one_says_which_key(
             ({"optim": {"lrr": 1}}, "config.optim.lrr: unknown key (known here: lr,"),
             ({"algo": {"eps_low": 2}}, "config: algo.eps_low: Input should be less than 1"),
             ({"batch_size": 3, "group_size": 2}, "must be a multiple of group_size"),
+            ({"group_size": 1}, "with group_size 1 every advantage is 0"),
+            ({"algorithm": "dapo"}, "set max_tokens"),
             ({"backend": "archon:t2"}, "archon: tensor parallel is not implemented yet"),
             ({"backend": "fsdp:d2e4"}, "expert size 4 must divide data x context = 2"),
             ({"moe": {"aux_loss_coef": 0.1}}, "moe settings act under the archon backend"),
@@ -79,8 +81,9 @@ async def test_a_run_config_is_the_trainers_and_a_bad_one_says_which_key(
             assert message in error["message"]
             assert error["param"] == "config"
         assert (await c.http.get("/runs", headers=ADMIN)).json()["runs"] == []
-        run = await c.run({"algorithm": "dapo", "optim": {"lr": 1e-4}})
-        assert run["config"] == {"algorithm": "dapo", "optim": {"lr": 1e-4}}
+        config = {"algorithm": "dapo", "max_tokens": 1024, "optim": {"lr": 1e-4}}
+        run = await c.run(config)
+        assert run["config"] == config
 
 
 async def test_session_browser_filters_and_pages(
@@ -213,7 +216,7 @@ async def test_training_series_versions_engines_and_prometheus(
     tmp_path: Path,
 ) -> None:
     async with app_client(engine, tiny_model, f"sqlite:///{tmp_path / 'd.db'}") as c:
-        run = await c.run({"eta": 0, "batch_size": 1})
+        run = await c.run({"eta": 0, "batch_size": 1, "group_size": 1, "algorithm": "ppo"})
         empty = (await c.http.get(f"/runs/{run['id']}/metrics", headers=ADMIN)).json()
         assert empty["steps"] == []
         assert empty["series"] == {}

@@ -41,7 +41,8 @@ def batch_with_targets(backend: FSDPValueBackend, seed: int) -> list[TrainSequen
         r[-1] = 1.0 if k % 2 else -1.0
         rewards.append(r)
     values = backend.forward_values(seqs, token_budget=TOKEN_BUDGET)
-    return with_gae(seqs, rewards, values, algorithm_config("ppo", gamma=0.95, lam=0.9))
+    discounts = [[0.95] * len(s) for s in seqs]
+    return with_gae(seqs, rewards, values, algorithm_config("ppo", lam=0.9), discounts=discounts)
 
 
 def step(backend: FSDPValueBackend, seqs: list[TrainSequence]) -> dict[str, float]:

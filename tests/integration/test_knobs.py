@@ -82,10 +82,11 @@ def build_trajectories(
     seed: int = 0,
     noise: float = 0.3,
     run_temperature: float = 1.0,
+    discount: float = 1.0,
 ) -> list[Trajectory]:
     """Trajectories of random byte tokens whose behaviour logprobs are the initial policy's
-    (at each turn's temperature) plus each turn's offset and Gaussian noise. Returns are
-    undiscounted: G_i is the sum of turn i's and every later turn's reward plus the final one."""
+    (at each turn's temperature) plus each turn's offset and Gaussian noise. Returns are the
+    store's: G_i = r_i + discount * G_{i+1}, the final reward on the last turn."""
     gen = torch.Generator().manual_seed(seed)
     drafts: list[dict[str, Any]] = []
     for e, ep in enumerate(episodes):
@@ -162,9 +163,10 @@ def build_trajectories(
             )
             turn_rewards += [(c, t.reward) for c, t in zip(seg["cids"], seg["turns"], strict=True)]
         returns: dict[str, float] = {}
-        running = ep.final_reward
+        running, last = 0.0, True
         for cid, r in reversed(turn_rewards):
-            running += r
+            running = r + (ep.final_reward if last else 0.0) + discount * running
+            last = False
             returns[cid] = running
         returns = dict(reversed(returns.items()))
         total = ep.final_reward + sum(r for _, r in turn_rewards)
@@ -235,6 +237,24 @@ def _context_only(plain: bool) -> list[Episode]:
     ]
 
 
+MULTI_TURN = [
+    # group m: three-turn episodes with per-turn rewards and a final one, and a two-turn one
+    Episode("m", ((P(5), Turn(6, reward=0.2), P(3), Turn(5, reward=0.1), P(3), Turn(7)),), 1.0),
+    Episode("m", ((P(5), Turn(8, reward=0.2), P(3), Turn(6), P(3), Turn(5)),), 0.0),
+    Episode("m", ((P(5), Turn(7), P(3), Turn(6, reward=0.3)),), 0.5),
+    # group u: uniform (every member's every turn the same), where the episode-return std is 0
+    Episode("u", ((P(5), Turn(6, reward=1.0), P(3), Turn(6, reward=1.0), P(3), Turn(6)),), 1.0),
+    Episode("u", ((P(5), Turn(7, reward=1.0), P(3), Turn(5, reward=1.0), P(3), Turn(8)),), 1.0),
+    # group n: near-uniform
+    Episode("n", ((P(5), Turn(6), P(3), Turn(6)),), 1.0),
+    Episode("n", ((P(5), Turn(5), P(3), Turn(7)),), 1.0 - 1e-4),
+    # single-turn group s beside them
+    Episode("s", ((P(6), Turn(9)),), 1.0),
+    Episode("s", ((P(6), Turn(8)),), 0.0),
+]
+"""Multi-turn groups (per-turn rewards, uniform, near-uniform) in one batch with a single-turn
+group."""
+
 INPUTS: dict[str, tuple[list[Episode], float]] = {
     "mixed": (MIXED, 0.3),
     "far": (MIXED, 1.0),
@@ -243,7 +263,11 @@ INPUTS: dict[str, tuple[list[Episode], float]] = {
     "sampled_plain": (_sampled(plain=True), 0.3),
     "context_only": (_context_only(plain=False), 0.3),
     "context_only_plain": (_context_only(plain=True), 0.3),
+    "multiturn": (MULTI_TURN, 0.3),
+    "multiturn_discounted": (MULTI_TURN, 0.3),
 }
+DISCOUNTS = {"multiturn_discounted": 0.5}
+"""The run's per-turn discount for an input (1 for the others): its returns are built with it."""
 """name -> (episodes, behaviour noise). "far": behaviour logprobs spread far from the initial
 policy's (importance weights beyond the cap, ratios beyond the dual clip)."""
 UNTRAINABLE_IN_SAMPLED = 5
@@ -300,6 +324,7 @@ class Setup:
                 "optim": {"lr": LR, **dict(self.optim)},
                 "max_tokens": self.max_tokens,
                 "temperature": self.temperature,
+                "discount": DISCOUNTS.get(self.inputs, 1.0),
                 "token_budget": TOKEN_BUDGET,
             }
         )
@@ -338,7 +363,9 @@ _RESULTS: dict[Setup, Result] = {}
 def trajectories(name: str, model_dir: Path) -> list[Trajectory]:
     if name not in _INPUTS:
         episodes, noise = INPUTS[name]
-        _INPUTS[name] = build_trajectories(episodes, model_dir, noise=noise)
+        _INPUTS[name] = build_trajectories(
+            episodes, model_dir, noise=noise, discount=DISCOUNTS.get(name, 1.0)
+        )
     return _INPUTS[name]
 
 
@@ -505,8 +532,22 @@ def always(on: Result, off: Result) -> bool:
     return True
 
 
+def bounded_advantages(on: Result, off: Result) -> bool:
+    """No turn's raw advantage is outsized (a group's z-scores stay within sqrt(n - 1)), and the
+    uniform group's turns get exactly 0 (never 1 / eps)."""
+    built = on.update.built
+    raw = [abs(a) for seq in built.sequences for a in seq.advantages]
+    uniform = [
+        a
+        for t, seq in zip(built.used, built.sequences, strict=False)
+        if t.session.group_id == "u"
+        for a in seq.advantages
+    ]
+    return max(raw) < 3.0 and all(a == 0.0 for a in uniform)
+
+
 WITH_UNTRAINABLE_TURNS: dict[str, dict[str, Any]] = {
-    "kl-reward": {"kl_coef": 0.5, "kl_placement": "reward", "gamma": 0.9},
+    "kl-reward": {"kl_coef": 0.5, "kl_placement": "reward"},
     "kl-loss": {"kl_coef": 1.0, "kl_kind": "k2"},
     "sequence": {"importance_level": "sequence"},
     "entropy": {"entropy_coef": 1.0},
@@ -591,10 +632,11 @@ CASES = [
         for placement, coef in [("loss", 1.0), ("reward", 0.5)]
         for kind in ["k1", "k2", "k3"]
     ),
+    # the run's per-turn discount: the returns, and the KL reward-to-go between turns
     Case(
-        "gamma-kl-reward",
-        setup(kl_coef=0.5, kl_placement="reward", kl_kind="k1", gamma=0.5),
-        setup(kl_coef=0.5, kl_placement="reward", kl_kind="k1"),
+        "discount-kl-reward",
+        setup("multiturn_discounted", kl_coef=0.5, kl_placement="reward", kl_kind="k1"),
+        setup("multiturn", kl_coef=0.5, kl_placement="reward", kl_kind="k1"),
         always,
     ),
     Case("entropy_coef", setup(entropy_coef=1.0), setup(), stat_above("entropy")),
@@ -624,6 +666,42 @@ CASES = [
         setup(behav_imp_weight_cap=1.5),
         setup(),
         stat_above("cap_masked_frac"),
+    ),
+    # the cap's mode: truncate (TIS) keeps the tokens mask (MIS, the default) drops, at weight
+    # cap; icepop drops those with a weight below 1 / cap too
+    Case(
+        "behav_imp_weight_mode-truncate",
+        setup("far", behav_imp_weight_mode="truncate"),
+        setup("far"),
+        lambda on, off: (
+            on.stats["truncated_frac"] > 0
+            and on.stats["cap_masked_frac"] == 0
+            and off.stats["cap_masked_frac"] > 0
+            and math.isclose(
+                on.stats["truncated_frac"],
+                on.ref.stats["truncated_frac"],
+                rel_tol=STAT_RTOL,
+                abs_tol=STAT_ATOL,
+            )
+        ),
+    ),
+    Case(
+        "behav_imp_weight_mode-truncate-vs-uncapped",
+        setup("far", behav_imp_weight_mode="truncate"),
+        setup("far", behav_imp_weight_cap=None),
+        lambda on, off: on.stats["truncated_frac"] > 0 and off.stats["truncated_frac"] == 0,
+    ),
+    Case(
+        "behav_imp_weight_mode-icepop",
+        setup("far", behav_imp_weight_cap=2.0, behav_imp_weight_mode="icepop"),
+        setup("far", behav_imp_weight_cap=2.0),
+        stat_grows("cap_masked_frac"),
+    ),
+    Case(
+        "behav_imp_weight_mode-icepop-low",
+        setup(behav_imp_weight_cap=1.5, behav_imp_weight_mode="icepop"),
+        setup(behav_imp_weight_cap=1.5),
+        stat_grows("cap_masked_frac"),
     ),
     Case(
         "decoupled",
@@ -684,7 +762,31 @@ CASES = [
         setup(group_baseline="mean"),
         lone_advantage(True),
     ),
-    Case("adv_norm-none", setup(adv_norm="none"), setup(), always),
+    # multi-turn credit: per-turn rewards, discount < 1, uniform and near-uniform groups beside a
+    # single-turn group (the reference takes each turn position's statistics on its own)
+    *(
+        Case(
+            f"multiturn-{mode}",
+            setup("multiturn_discounted", group_baseline=mode),
+            setup("multiturn_discounted", group_baseline="none"),
+            bounded_advantages,
+        )
+        for mode in ("mean_std", "mean", "leave_one_out")
+    ),
+    Case(
+        "discount",
+        setup("multiturn_discounted", group_baseline="mean"),
+        setup("multiturn", group_baseline="mean"),
+        bounded_advantages,
+    ),
+    # on raw returns: a group baseline leaves advantages of mean 0 in every group, so batch
+    # normalisation only rescales them, which Adam's step hardly sees
+    Case(
+        "adv_norm-none",
+        setup(adv_norm="none", group_baseline="none"),
+        setup(group_baseline="none"),
+        always,
+    ),
     # per-turn sampling settings: temperatures, and turns the trainer cannot reproduce
     Case("turn_sampling", setup("sampled"), setup("sampled_plain"), untrainable),
     Case(

@@ -21,6 +21,7 @@ from tests.integration.exported_policy import (
     export_trained,
 )
 from tests.integration.gateway_server import run_gateway
+from tests.integration.test_training_processes import drive, run_config
 
 pytestmark = pytest.mark.slow
 
@@ -61,3 +62,16 @@ async def test_the_exports_version_file_sets_the_version_its_tokens_carry(
     finally:
         await engine.close()
     assert r.versions == (12,) * 4
+
+
+def test_serve_train_on_an_export_continues_from_its_version(
+    exported: Exported, tmp_path: Path
+) -> None:
+    """`serve --train` on an exported policy with a fresh checkpoint_dir: the trainer's weights
+    are the export (served as VERSION), so its first step publishes VERSION + 1 (it published 1
+    before, which the engine refused as older than what it serves)."""
+    config = run_config(tmp_path, max_steps=1)
+    with run_gateway(exported.out, tmp_path, extra_args=("--train", "--config", str(config))) as gw:
+        drive(gw, gw.trained_run(), VERSION + 1)
+        assert gw.client.get("/admin/version").json() == {"version": VERSION + 1}
+        assert "Traceback" not in gw.log_path.read_text()

@@ -79,6 +79,14 @@ def test_settings_one_config_leaves_out_come_from_the_other() -> None:
     assert merge_run_config(form, train_config(max_steps=7)).max_steps == 7
 
 
+def test_a_later_trainer_extends_the_runs_max_steps() -> None:
+    """max_steps is the one setting a later trainer's config overrides: training a run further
+    is starting its trainer again with more steps."""
+    merged = merge_run_config({"max_steps": 10, "eta": 2}, train_config(max_steps=20))
+    assert (merged.max_steps, merged.eta) == (20, 2)
+    assert stored_form(merged)["max_steps"] == 20
+
+
 def test_a_stored_config_that_is_no_training_config_is_refused() -> None:
     with pytest.raises(ValueError, match=r"stored config is not a training config \(config.task"):
         merge_run_config({"task": "x"}, train_config())

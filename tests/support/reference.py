@@ -4,18 +4,21 @@ Written from the math of the step (AReaL's order), not from `trainer/`: it impor
 config types (`TrainConfig`, `AlgorithmConfig`) and the store's dataclasses. Everything is plain
 torch in float64, one sequence per forward pass (no packing), loops where a loop is clearer:
 
-1. overlong shaping: `r' = r + min(-(L - (max_tokens - buffer)) / buffer * factor, 0)`, with L
-   the trajectory's longest sampled span; `shift = r' - r`;
-2. dynamic sampling: drop every group whose shaped rewards are all equal (a group of one too);
-3. group baseline over the episode values `e = G_0 + shift` (mean_std, mean, leave_one_out,
-   none; a group of one gets advantage 0 in every mode but none); turn i's value is
-   `(G_i + shift - b) * scale`;
+1. overlong shaping: `r' = r + clamp(-(L - (max_tokens - buffer)) / buffer * factor, -factor, 0)`,
+   with L the trajectory's longest sampled span; `shift = r' - r`;
+2. dynamic sampling: drop every group whose task rewards (before shaping) are all equal (a
+   group of one too);
+3. multi-turn credit: turn i's value is `(G_i + shift - b_gi) * scale_gi`, the baseline and
+   scale taken over the values `G_i + shift` of the trajectories of group g that have a turn i
+   (mean_std, mean, leave_one_out, none; a turn position only one member reached gets 0 in
+   every mode but none);
 4. one sequence per segment with a sampled token of a turn the trainer can reproduce (not
    greedy, truncated, nor with min tokens: such a turn stays context, and a segment of only such
    turns is left out); each token at the temperature of the turn that sampled it;
 5. proximal (decoupled) and reference (KL) logprobs under the initial weights;
 6. token advantages: the turn values on their tokens, plus a KL reward-to-go when the KL is
-   placed in the reward;
+   placed in the reward, discounted by the run's `discount` once per turn crossed (1 inside
+   a turn);
 7. batch normalisation of the advantages;
 8. mini-batches balanced by token count, `ppo_epochs` passes, one AdamW step each;
 9. the PPO-family loss per mini-batch (clip, dual clip, decoupled weight and cap, token or
@@ -27,6 +30,7 @@ torch in float64, one sequence per forward pass (no packing), loops where a loop
 from __future__ import annotations
 
 import math
+import random
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -61,6 +65,8 @@ class RefSequence:
     ref_T: torch.Tensor | None = None
     kl_reward_T: torch.Tensor | None = None
     """kl_t of the KL placed in the reward (before `-kl_coef`), 0 off the mask."""
+    turn_T: torch.Tensor | None = None
+    """The index of the turn (within the segment) that sampled each trained token; -1 off."""
 
     @property
     def n_loss(self) -> int:
@@ -147,21 +153,22 @@ def _longest_span(t: Trajectory) -> int:
 
 
 def shaped_rewards(trajs: list[Trajectory], cfg: TrainConfig, algo: AlgorithmConfig) -> list[float]:
-    """Step 1: each trajectory's reward after DAPO's overlong shaping (unchanged when off)."""
+    """Step 1: each trajectory's reward after DAPO's overlong shaping (unchanged when off): the
+    penalty grows linearly over the buffer and stays at `-factor` past max_tokens."""
     buffer, max_tokens = algo.overlong_buffer, cfg.max_tokens
     if buffer is None or max_tokens is None:
         return [t.reward for t in trajs]
     out = []
+    factor = algo.overlong_penalty_factor
     for t in trajs:
         excess = _longest_span(t) - (max_tokens - buffer)
-        out.append(t.reward + min(-excess / buffer * algo.overlong_penalty_factor, 0.0))
+        penalty = max(min(-excess / buffer * factor, 0.0), -factor)
+        out.append(t.reward + penalty)
     return out
 
 
-def kept_after_dynamic_sampling(
-    trajs: list[Trajectory], shaped: list[float], algo: AlgorithmConfig
-) -> list[int]:
-    """Step 2: indices of the trajectories whose group's shaped rewards are not all equal."""
+def kept_after_dynamic_sampling(trajs: list[Trajectory], algo: AlgorithmConfig) -> list[int]:
+    """Step 2: indices of the trajectories whose group's task rewards are not all equal."""
     if not algo.dynamic_sampling:
         return list(range(len(trajs)))
     members: dict[str, list[int]] = defaultdict(list)
@@ -169,20 +176,21 @@ def kept_after_dynamic_sampling(
         members[_group_of(t, i)].append(i)
     keep = []
     for i, t in enumerate(trajs):
-        rewards = {shaped[j] for j in members[_group_of(t, i)]}
+        rewards = {trajs[j].reward for j in members[_group_of(t, i)]}
         if len(rewards) > 1:
             keep.append(i)
     return keep
 
 
 def baselines(
-    values: Mapping[int, float], groups: Mapping[int, str], mode: str, eps: float
-) -> dict[int, tuple[float, float]]:
-    """Step 3: (baseline b, scale) per trajectory index from the episode values of its group."""
-    members: dict[str, list[int]] = defaultdict(list)
+    values: Mapping[Any, float], groups: Mapping[Any, str], mode: str, eps: float
+) -> dict[Any, tuple[float, float]]:
+    """Step 3: (baseline b, scale) per key from the values of the keys of its group (the
+    caller's keys: one per turn, grouped by group and turn position)."""
+    members: dict[str, list[Any]] = defaultdict(list)
     for i in values:
         members[groups[i]].append(i)
-    out: dict[int, tuple[float, float]] = {}
+    out: dict[Any, tuple[float, float]] = {}
     for i, e in values.items():
         group = [values[j] for j in members[groups[i]]]
         n = len(group)
@@ -236,6 +244,7 @@ def segment_sequence(
     mask = torch.zeros(n, dtype=torch.bool)
     temp = torch.full((n,), float(run_temperature), dtype=F64)
     adv = torch.zeros(n, dtype=F64)
+    turn = torch.full((n,), -1, dtype=torch.long)
     untrainable = 0
     for k, ((start, end), sampling) in enumerate(
         zip(seg.turn_spans, turn_sampling(seg), strict=True)
@@ -246,6 +255,7 @@ def segment_sequence(
         for pos in range(start, end):
             if ok and seg.loss_mask[pos]:
                 mask[pos] = True
+                turn[pos] = k
                 adv[pos] = turn_values[k]
                 temp[pos] = float(t) if t is not None else float(run_temperature)
     behav = torch.tensor(seg.logprobs, dtype=F64) * mask
@@ -256,6 +266,7 @@ def segment_sequence(
         behav_T=behav,
         raw_adv_T=adv,
         adv_T=adv.clone(),
+        turn_T=turn,
     )
     return seq, untrainable
 
@@ -276,23 +287,32 @@ def kl_estimate(d: torch.Tensor, kind: str) -> torch.Tensor:
     return kl.clamp(-KL_CLAMP, KL_CLAMP)
 
 
-def reward_to_go(r_T: torch.Tensor, mask_T: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Discounted sum over the masked positions from each masked position on (0 elsewhere)."""
+def reward_to_go(
+    r_T: torch.Tensor, mask_T: torch.Tensor, turn_T: torch.Tensor, discount: float
+) -> torch.Tensor:
+    """Sum over the masked positions from each masked position on (0 elsewhere), each later
+    reward discounted once per turn between them: `discount ** (turn(t') - turn(t))`."""
     out = torch.zeros_like(r_T)
-    running = 0.0
+    running, later_turn = 0.0, None
     for t in reversed(range(len(r_T))):
         if mask_T[t]:
-            running = float(r_T[t]) + gamma * running
+            k = int(turn_T[t])
+            factor = 1.0 if later_turn is None else discount ** (later_turn - k)
+            running = float(r_T[t]) + factor * running
+            later_turn = k
             out[t] = running
     return out
 
 
-def minibatch_partition(lengths: list[int], n: int) -> list[list[int]]:
-    """Longest first (ties by index), each to the mini-batch with the fewest tokens so far (ties:
-    the lowest index); each mini-batch's indices ascending."""
+def minibatch_partition(lengths: list[int], n: int, seed: str) -> list[list[int]]:
+    """One epoch's: the indices as `random.Random(seed)` shuffles them, each to the mini-batch
+    with the fewest tokens so far (ties: the lowest index); each mini-batch's indices ascending.
+    The trainer's seed of epoch e of step s is `{optim.seed}:{s}:{e}`."""
     bins: list[list[int]] = [[] for _ in range(n)]
     load = [0] * n
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    for i in order:
         b = min(range(n), key=lambda j: (load[j], j))
         bins[b].append(i)
         load[b] += lengths[i]
@@ -343,6 +363,24 @@ class _Tally:
             self.highs[name] = max(self.highs.get(name, -math.inf), float(x[m].max()))
 
 
+def _behaviour_correction(
+    weight: torch.Tensor, m: torch.Tensor, algo: AlgorithmConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep, applied weight) for the behaviour weights w = pi_prox / pi_behav of one sequence
+    under the cap c: mask keeps w <= c; icepop keeps 1/c <= w <= c; truncate keeps every token at
+    min(w, c). No cap: every token kept at its w."""
+    cap, mode = algo.behav_imp_weight_cap, algo.behav_imp_weight_mode
+    if cap is None:
+        return m, weight
+    if mode == "mask":
+        return m & (weight <= cap), weight
+    if mode == "icepop":
+        return m & (weight >= 1 / cap) & (weight <= cap), weight
+    if mode == "truncate":
+        return m, weight.clamp(max=cap)
+    raise ValueError(f"unknown behav_imp_weight_mode {mode!r}")
+
+
 def _minibatch_loss(
     model: Any,
     seqs: list[RefSequence],
@@ -376,14 +414,14 @@ def _minibatch_loss(
             tally.add("dual_clip_frac", (loss.detach() > cap).to(F64), m)
             loss = torch.minimum(loss, cap)
         weight = torch.ones_like(logp)
-        keep = m
+        keep, applied = m, weight
         if algo.decoupled:
             assert s.prox_T is not None
             weight = torch.where(m, torch.exp(s.prox_T - s.behav_T), torch.ones_like(logp))
-            if algo.behav_imp_weight_cap is not None:
-                keep = m & (weight <= algo.behav_imp_weight_cap)
-            loss = weight * loss
+            keep, applied = _behaviour_correction(weight, m, algo)
+            loss = applied * loss
         tally.add("cap_masked_frac", (m & ~keep).to(F64), m)
+        tally.add("truncated_frac", (applied < weight).to(F64), m)
         losses.append(torch.where(keep, loss, zeros))
         masks.append(m)
         entropies.append(entropy)
@@ -418,11 +456,13 @@ def reference_step(
 
     # 1-3
     shaped = shaped_rewards(trajs, cfg, algo)
-    kept = kept_after_dynamic_sampling(trajs, shaped, algo)
+    kept = kept_after_dynamic_sampling(trajs, algo)
     shift = {i: shaped[i] - trajs[i].reward for i in kept}
-    episode = {i: next(iter(trajs[i].returns.values()), 0.0) + shift[i] for i in kept}
-    groups = {i: _group_of(trajs[i], i) for i in kept}
-    base = baselines(episode, groups, algo.group_baseline, algo.norm_eps)
+    turn_value = {
+        (i, p): g + shift[i] for i in kept for p, g in enumerate(trajs[i].returns.values())
+    }
+    turn_group = {(i, p): f"{_group_of(trajs[i], i)}/turn {p}" for i, p in turn_value}
+    base = baselines(turn_value, turn_group, algo.group_baseline, algo.norm_eps)
 
     # 4
     seqs: list[RefSequence] = []
@@ -430,12 +470,15 @@ def reference_step(
     untrainable = 0
     for i in kept:
         t = trajs[i]
-        b, scale = base[i]
+        position = {cid: p for p, cid in enumerate(t.returns)}
         produced = False
         for seg in t.segments:
             if not any(seg.loss_mask):
                 continue
-            values = [(t.returns[cid] + shift[i] - b) * scale for cid in seg.completion_ids]
+            values = []
+            for cid in seg.completion_ids:
+                b, scale = base[(i, position[cid])]
+                values.append((t.returns[cid] + shift[i] - b) * scale)
             seq, bad = segment_sequence(seg, values, cfg.temperature)
             untrainable += bad
             if seq.n_loss:  # a segment of untrainable turns only is context for nothing
@@ -464,7 +507,8 @@ def reference_step(
                 s.mask_T, kl_estimate(s.behav_T - s.ref_T, algo.kl_kind), torch.zeros_like(s.ref_T)
             )
             s.kl_reward_T = kl
-            s.adv_T = s.adv_T + reward_to_go(-algo.kl_coef * kl, s.mask_T, algo.gamma)
+            assert s.turn_T is not None
+            s.adv_T = s.adv_T + reward_to_go(-algo.kl_coef * kl, s.mask_T, s.turn_T, cfg.discount)
             kl_sum += float(kl[s.mask_T].sum())
             kl_count += s.n_loss
 
@@ -493,9 +537,12 @@ def reference_step(
         return out
 
     # 8-9
-    out.minibatches = minibatch_partition(
-        [len(s.tokens) for s in seqs], min(algo.ppo_n_minibatches, len(seqs))
-    )
+    lengths, n_minibatches = [len(s.tokens) for s in seqs], min(algo.ppo_n_minibatches, len(seqs))
+    epochs = [  # the first step (0) of a fresh trainer
+        minibatch_partition(lengths, n_minibatches, f"{cfg.optim.seed}:0:{e}")
+        for e in range(algo.ppo_epochs)
+    ]
+    out.minibatches = epochs[0]
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.optim.lr,
@@ -505,8 +552,8 @@ def reference_step(
     )
     tally = _Tally()
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-    for _ in range(algo.ppo_epochs):
-        for mb in out.minibatches:
+    for epoch in epochs:
+        for mb in epoch:
             optimizer.zero_grad(set_to_none=True)
             loss = _minibatch_loss(model, [seqs[i] for i in mb], algo, tally)
             torch.autograd.backward(loss)

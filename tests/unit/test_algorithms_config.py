@@ -11,7 +11,7 @@ from trainer.algorithms import PRESETS, AlgorithmConfig, algorithm_config
 
 # What each preset is documented to set (trainer/algorithms/config.py, from AReaL's matrix).
 EXPECTED: dict[str, dict[str, Any]] = {
-    "ppo": {"use_critic": True, "group_baseline": "none", "value_clip": 0.5, "gamma": 1.0},
+    "ppo": {"use_critic": True, "group_baseline": "none", "value_clip": 0.5, "lam": 1.0},
     "grpo": {"group_baseline": "mean_std", "eps_low": 0.4, "eps_high": 0.4, "decoupled": True},
     "dapo": {
         "eps_low": 0.2,
@@ -64,7 +64,6 @@ def test_every_knob_is_overridable() -> None:
         "adv_norm": "none",
         "norm_eps": 1e-6,
         "use_critic": True,
-        "gamma": 0.99,
         "lam": 0.95,
         "value_clip": None,
         "eps_low": 0.1,
@@ -72,6 +71,7 @@ def test_every_knob_is_overridable() -> None:
         "dual_clip_c": 3.0,
         "decoupled": False,
         "behav_imp_weight_cap": None,
+        "behav_imp_weight_mode": "mask",  # the only mode without a cap, or not decoupled
         "importance_level": "sequence",
         "agg": "seq_mean_token_sum",
         "norm_len": 4096,
@@ -107,15 +107,26 @@ def test_unknown_override_names_the_key() -> None:
     ("overrides", "message"),
     [
         ({"dual_clip_c": 0.5}, "dual_clip_c"),
-        ({"behav_imp_weight_cap": 1.0}, "behav_imp_weight_cap"),
+        ({"behav_imp_weight_cap": 1.0}, "behav_imp_weight_cap=1.0 is not above 1"),
+        ({"behav_imp_weight_cap": 0.5, "behav_imp_weight_mode": "icepop"}, "set it above 1"),
+        ({"behav_imp_weight_cap": None, "behav_imp_weight_mode": "truncate"}, "set behav_imp"),
+        ({"decoupled": False, "behav_imp_weight_mode": "icepop"}, "set decoupled=true"),
+        ({"behav_imp_weight_mode": "clip"}, "behav_imp_weight_mode"),
         ({"agg": "seq_mean_token_sum"}, "set norm_len"),
         ({"group_baseline": "median"}, "group_baseline"),
-        ({"gamma": 1.5}, "gamma"),
+        ({"lam": 1.5}, "lam"),
     ],
 )
 def test_bad_values_are_rejected_clearly(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=message):
         algorithm_config("grpo", **overrides)
+
+
+@pytest.mark.parametrize("mode", ["mask", "truncate", "icepop"])
+def test_every_behaviour_weight_mode_loads_with_the_cap(mode: str) -> None:
+    cfg = algorithm_config("grpo", behav_imp_weight_mode=mode, behav_imp_weight_cap=2.0)
+    assert (cfg.behav_imp_weight_mode, cfg.behav_imp_weight_cap) == (mode, 2.0)
+    assert PRESETS["grpo"].behav_imp_weight_mode == "mask"  # AReaL's: the default everywhere
 
 
 def test_config_is_frozen() -> None:

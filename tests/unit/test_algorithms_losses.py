@@ -17,6 +17,7 @@ from trainer.algorithms import (
     ppo_policy_loss,
     value_loss,
 )
+from trainer.algorithms.losses import logprob_mismatch
 
 F64 = torch.float64
 AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum"]
@@ -49,6 +50,7 @@ def ref_policy_loss(
     c: float | None = None,
     behav: Rows | None = None,
     cap: float | None = None,
+    mode: str = "mask",
     level: str = "token",
     agg: str = "token_mean",
     seqs: list[list[tuple[int, int]]] | None = None,
@@ -69,7 +71,7 @@ def ref_policy_loss(
                 ratio[b, t] = math.exp(logp[b][t] - old[b][t])
                 a_of[b, t] = adv[b][t]
     loss: dict[tuple[int, int], float] = {}
-    n_low = n_high = n_dropped = n_dual = 0
+    n_low = n_high = n_dropped = n_truncated = n_dual = 0
     weights, kls, prox_kls = [], [], []
     for (b, t), u in ratio.items():
         a = a_of[b, t]
@@ -85,8 +87,16 @@ def ref_policy_loss(
         if behav is not None:
             base = behav[b][t]
             w = math.exp(old[b][t] - behav[b][t])
-            l_tok *= w
-            if cap is not None and w > cap:
+            applied, dropped = w, False
+            if cap is not None and mode == "mask":
+                dropped = w > cap
+            elif cap is not None and mode == "icepop":
+                dropped = not 1 / cap <= w <= cap
+            elif cap is not None and mode == "truncate" and w > cap:
+                applied = cap
+                n_truncated += 1
+            l_tok *= applied
+            if dropped:
                 l_tok = 0.0
                 n_dropped += 1
         weights.append(w)
@@ -110,6 +120,7 @@ def ref_policy_loss(
         "clip_frac_low": n_low / n_tok,
         "clip_frac_high": n_high / n_tok,
         "cap_masked_frac": n_dropped / n_tok,
+        "truncated_frac": n_truncated / n_tok,
         "dual_clip_frac": n_dual / n_tok,
         "ratio_mean": sum(ratio.values()) / n_tok,
         "imp_weight_mean": sum(weights) / n_tok,
@@ -125,6 +136,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ppo": {},
     "ppo_dual_clip": {"dual_clip_c": 1.1},
     "decoupled_cap": {"decoupled": True, "behav_imp_weight_cap": 2.0, "dual_clip_c": 3.0},
+    "decoupled_truncate": {
+        "decoupled": True,
+        "behav_imp_weight_cap": 2.0,
+        "behav_imp_weight_mode": "truncate",
+    },
+    "decoupled_icepop": {
+        "decoupled": True,
+        "behav_imp_weight_cap": 2.0,
+        "behav_imp_weight_mode": "icepop",
+        "dual_clip_c": 3.0,
+    },
     "gspo": {"level": "sequence"},
     "gspo_decoupled": {"level": "sequence", "decoupled": True, "behav_imp_weight_cap": 2.0},
 }
@@ -166,6 +188,7 @@ def test_policy_loss_and_stats_match_loop(name: str, agg: str) -> None:
         c=variant.get("dual_clip_c"),
         behav=d["behav"].tolist() if variant.get("decoupled") else None,
         cap=variant.get("behav_imp_weight_cap"),
+        mode=variant.get("behav_imp_weight_mode", "mask"),
         level=variant.get("level", "token"),
         agg=agg,
     )
@@ -179,9 +202,28 @@ def test_policy_loss_and_stats_match_loop(name: str, agg: str) -> None:
         assert want_stats["dual_clip_frac"] > 0
     if name == "decoupled_cap":
         assert 0 < want_stats["cap_masked_frac"] < 1
+    if name == "decoupled_truncate":  # some weights above the cap, none dropped
+        assert 0 < want_stats["truncated_frac"] < 1
+        assert want_stats["cap_masked_frac"] == 0
+    if name == "decoupled_icepop":  # dropped on both sides, more than mask drops
+        assert want_stats["cap_masked_frac"] > masked_frac(d, VARIANTS["decoupled_cap"], agg)
 
 
-@pytest.mark.parametrize("name", ["ppo_dual_clip", "decoupled_cap", "gspo", "gspo_decoupled"])
+def masked_frac(d: dict[str, torch.Tensor], variant: dict[str, Any], agg: str) -> float:
+    return run_loss(d, variant, agg)[1]["cap_masked_frac"].item()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ppo_dual_clip",
+        "decoupled_cap",
+        "decoupled_truncate",
+        "decoupled_icepop",
+        "gspo",
+        "gspo_decoupled",
+    ],
+)
 def test_policy_loss_gradcheck(name: str) -> None:
     d = batch(4, B=2, T=5)
     variant = VARIANTS[name]
@@ -301,6 +343,103 @@ def test_importance_weight_cap_masks_tokens_but_keeps_the_denominator() -> None:
         ppo_policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2, behav_imp_weight_cap=5.0)
 
 
+@pytest.mark.parametrize(
+    ("mode", "applied", "kept"),
+    [
+        ("mask", [1.0, 0.0, 2.0, 0.1], 3),  # w > 5 dropped
+        ("truncate", [1.0, 5.0, 2.0, 0.1], 4),  # w > 5 weighs 5
+        ("icepop", [1.0, 0.0, 2.0, 0.0], 2),  # w outside [1/5, 5] dropped
+    ],
+)
+def test_behaviour_weight_modes(mode: str, applied: list[float], kept: int) -> None:
+    t = torch.tensor
+    old = t([[-1.0, -1.0, -1.0, -1.0]], dtype=F64)
+    behav = old - t([[0.0, math.log(10.0), math.log(2.0), math.log(0.1)]], dtype=F64)
+    adv = t([[1.0, 1.0, 1.0, 1.0]], dtype=F64)
+    mask = t([[True, True, True, True]])
+    logp = old.clone().requires_grad_(True)
+    loss, s = ppo_policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        eps_low=0.2,
+        eps_high=0.2,
+        behav_logp_BT=behav,
+        behav_imp_weight_cap=5.0,
+        behav_imp_weight_mode=mode,  # type: ignore[arg-type]
+    )
+    # on policy (u = 1): each token's loss is -A w_applied, over all four tokens
+    assert loss.item() == pytest.approx(-sum(applied) / 4)
+    assert s["cap_masked_frac"].item() == pytest.approx(1 - kept / 4)
+    assert s["truncated_frac"].item() == pytest.approx(0.25 if mode == "truncate" else 0.0)
+    assert s["imp_weight_max"].item() == pytest.approx(10.0)  # w before any correction
+    assert s["imp_weight_min"].item() == pytest.approx(0.1)
+    loss.backward()
+    assert logp.grad is not None
+    assert logp.grad[0].tolist() == pytest.approx([-w / 4 for w in applied])
+
+
+def test_behaviour_weight_settings_are_checked() -> None:
+    d = one_token(0.0, 1.0)
+    args = (d["logp"], d["old"], d["adv"], d["mask"])
+    kw: dict[str, Any] = {"eps_low": 0.2, "eps_high": 0.2, "behav_logp_BT": d["behav"]}
+    with pytest.raises(ValueError, match="behav_imp_weight_cap must be > 1"):
+        ppo_policy_loss(*args, **kw, behav_imp_weight_cap=1.0)
+    with pytest.raises(ValueError, match="'truncate' needs a cap"):
+        ppo_policy_loss(*args, **kw, behav_imp_weight_mode="truncate")
+    unknown: Any = "clip"
+    with pytest.raises(ValueError, match="use mask, truncate or icepop"):
+        ppo_policy_loss(*args, **kw, behav_imp_weight_cap=5.0, behav_imp_weight_mode=unknown)
+
+
+HUGE_W, HUGE_RATIO = (0, 1), [(1, 2, 1.0), (2, 3, -1.0)]
+"""A token with prox - behav = 200, and tokens with logp - old = 100 (A > 0: clipped above;
+A < 0: dual clipped), where float32's exp overflows (past 88.7)."""
+
+
+@pytest.mark.parametrize("mode", ["mask", "truncate", "icepop"])
+@pytest.mark.parametrize("agg", AGGS)
+def test_huge_weight_and_ratio_give_finite_gradients(mode: str, agg: str) -> None:
+    """The gradient equals the one where those tokens' log-ratio and weight are harmless and
+    their advantage 0 (out of every numerator, in every normalizer); under truncate the
+    huge-weight token is kept, weighed c, as one with any other weight above the cap."""
+    cap = 5.0
+    d = {k: v.float() if v.is_floating_point() else v.clone() for k, v in batch(14).items()}
+    d["mask"][1, 2] = d["mask"][2, 3] = True
+    b, t = HUGE_W
+    d["logp"][b, t], d["adv"][b, t] = d["old"][b, t], 1.0  # unclipped: only w decides
+    ref = {k: v.clone() for k, v in d.items()}
+    d["behav"][b, t] = d["old"][b, t] - 200.0
+    if mode == "truncate":
+        ref["behav"][b, t] = d["old"][b, t] - 2 * math.log(cap)  # w = 25: truncated to 5
+    else:
+        ref["adv"][b, t] = 0.0
+    for b, t, a in HUGE_RATIO:
+        d["logp"][b, t] = d["old"][b, t] + 100.0
+        d["adv"][b, t] = a
+        ref["adv"][b, t] = 0.0
+    variant = {
+        "decoupled": True,
+        "behav_imp_weight_cap": cap,
+        "behav_imp_weight_mode": mode,
+        "dual_clip_c": 3.0,
+    }
+    loss, s = run_loss(d, variant, agg)
+    assert math.isfinite(loss.item())
+    assert s["imp_weight_max"].item() == math.inf  # reported as it is, never multiplied
+    got, want = grad_of(d, variant, agg), grad_of(ref, variant, agg)
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert got[1, 2].item() == got[2, 3].item() == 0.0
+    assert (got[HUGE_W].item() == 0.0) == (mode != "truncate")
+    # and so for the sequence ratio: finite, even though it takes in the huge log-ratios
+    logp = d["logp"].clone().requires_grad_(True)
+    run_loss({**d, "logp": logp}, {**variant, "level": "sequence"}, agg)[0].backward()
+    assert logp.grad is not None
+    assert bool(torch.isfinite(logp.grad).all())
+
+
 @pytest.mark.parametrize("agg", AGGS)
 def test_gspo_equals_token_ppo_for_one_token_sequences(agg: str) -> None:
     d = batch(7, B=4, T=5)
@@ -401,6 +540,20 @@ def test_k3_is_nonnegative_and_clamped() -> None:
     assert kl_penalty(torch.zeros(1, dtype=F64), torch.zeros(1, dtype=F64), "k3").item() == 0.0
 
 
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_gradient_is_finite_and_zero_past_the_clamp(kind: str) -> None:
+    d = [200.0, -200.0, 0.5, -0.5]  # k3 at -200 overflows float32: exp(200) = inf
+    logp = torch.tensor([d], dtype=torch.float32, requires_grad=True)
+    kl = kl_penalty(logp, torch.zeros_like(logp), kind)  # type: ignore[arg-type]
+    k3 = [math.exp(-x) - 1 + x for x in d[2:]]
+    want = {"k1": [10.0, -10.0, 0.5, -0.5], "k2": [10.0, 10.0, 0.125, 0.125]}.get(kind)
+    assert kl[0].tolist() == pytest.approx(want or [10.0, 10.0, *k3], abs=1e-6)
+    kl.sum().backward()
+    assert logp.grad is not None
+    slope = {"k1": lambda x: 1.0, "k2": lambda x: x, "k3": lambda x: 1 - math.exp(-x)}[kind]
+    assert logp.grad[0].tolist() == pytest.approx([0.0, 0.0, slope(0.5), slope(-0.5)], abs=1e-6)
+
+
 def test_kl_as_a_loss_term_pulls_towards_the_reference() -> None:
     logp = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]], dtype=F64)
@@ -410,6 +563,31 @@ def test_kl_as_a_loss_term_pulls_towards_the_reference() -> None:
     # d/dlogp of exp(ref - logp) - 1 + logp - ref is 1 - exp(ref - logp)
     want = [0.1 / 2 * (1 - math.exp(r - lp)) for lp, r in ((-1.0, -1.5), (-2.0, -1.0))]
     assert logp.grad[0].tolist() == pytest.approx(want)
+
+
+def test_logprob_mismatch_matches_loop() -> None:
+    d = batch(15)
+    trainer, behav, m = d["old"].float(), d["behav"].float(), d["mask"]
+    trainer[0, 1] = behav[0, 1] + 100.0  # exp(100) overflows float32, not the float64 metric
+    behav[~m] = -math.inf  # positions off the mask are never read
+    got = logprob_mismatch(trainer, behav, m)
+    deltas = [
+        float(trainer[b, t]) - float(behav[b, t])
+        for b in range(m.shape[0])
+        for t in range(m.shape[1])
+        if m[b, t]
+    ]
+    assert got["mismatch_abs_mean"].item() == pytest.approx(
+        sum(abs(x) for x in deltas) / len(deltas), rel=1e-12
+    )
+    assert got["mismatch_abs_max"].item() == pytest.approx(max(abs(x) for x in deltas), rel=1e-12)
+    want_kl = sum(math.exp(x) - 1 - x for x in deltas) / len(deltas)
+    assert got["mismatch_kl"].item() == pytest.approx(want_kl, rel=1e-12)
+    assert got["mismatch_abs_max"].item() == pytest.approx(100.0, abs=1e-4)
+    empty = logprob_mismatch(trainer, behav, torch.zeros_like(m))
+    assert {k: v.item() for k, v in empty.items()} == dict.fromkeys(got, 0.0)
+    same = logprob_mismatch(trainer, trainer, m)
+    assert {k: v.item() for k, v in same.items()} == dict.fromkeys(got, 0.0)
 
 
 def test_entropy_matches_loop_and_is_stable() -> None:

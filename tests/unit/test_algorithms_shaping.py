@@ -20,6 +20,17 @@ def test_overlong_shaping_by_hand() -> None:
     assert doubled.tolist() == pytest.approx([1.0, 1.0, 0.5, -1.0, -1.0])
 
 
+def test_overlong_shaping_is_bounded_by_the_penalty_at_max_len() -> None:
+    # max_len 20, buffer 4: past 20 tokens the penalty stays -factor (unbounded, 4,000 tokens
+    # would take a reward of 1 to 1 - 996)
+    reward = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    length = torch.tensor([20, 21, 4000, 100])
+    got = overlong_shaping(reward, length, max_len=20, overlong_buffer=4)
+    assert got.tolist() == pytest.approx([0.0, 0.0, 0.0, -1.0])
+    half = overlong_shaping(reward, length, max_len=20, overlong_buffer=4, penalty_factor=0.5)
+    assert half.tolist() == pytest.approx([0.5, 0.5, 0.5, -0.5])
+
+
 def test_overlong_shaping_rejects_a_bad_buffer() -> None:
     r, n = torch.zeros(2), torch.tensor([1, 2])
     with pytest.raises(ValueError, match="overlong_buffer must be in"):

@@ -18,6 +18,7 @@ from trainer.batch import (
     TrainSequence,
     pack,
     plan_micro_batches,
+    split_minibatches,
     token_logprobs,
     unpack_token_values,
 )
@@ -64,6 +65,28 @@ def test_plan_is_first_fit_decreasing() -> None:
     assert plan_micro_batches([], 10) == []
     with pytest.raises(ValueError, match="token_budget"):
         plan_micro_batches([1], 0)
+
+
+def test_minibatches_mix_anew_each_epoch_and_repeat_under_the_same_seed() -> None:
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 90) for _ in range(32)]
+    epochs = [split_minibatches(lengths, 4, seed=f"0:7:{e}") for e in range(3)]
+    for split in epochs:
+        assert sorted(i for g in split for i in g) == list(range(len(lengths)))
+        assert all(g == sorted(g) for g in split)
+        loads = [sum(lengths[i] for i in g) for g in split]
+        assert max(loads) - min(loads) <= max(lengths)  # balanced by tokens
+    compositions = [{frozenset(g) for g in split} for split in epochs]
+    assert compositions[0] != compositions[1] != compositions[2] != compositions[0]
+    assert epochs == [split_minibatches(lengths, 4, seed=f"0:7:{e}") for e in range(3)]
+    assert split_minibatches(lengths, 4, seed="0:8:0") != epochs[0]  # the next step: anew too
+
+
+def test_minibatches_are_at_most_the_sequences() -> None:
+    assert split_minibatches([3, 5], 4, seed="s") in ([[0], [1]], [[1], [0]])
+    assert split_minibatches([3, 5, 2], 1, seed="s") == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="n must be positive"):
+        split_minibatches([1], 0, seed="s")
 
 
 def test_pack_keeps_every_token_once_with_no_padding() -> None:

@@ -60,8 +60,9 @@ def seqs_and_inputs(seed: int) -> tuple[list[TrainSequence], list[list[float]], 
 @pytest.mark.parametrize(("gamma", "lam", "norm"), [(1.0, 1.0, "none"), (0.9, 0.8, "batch")])
 def test_with_gae_matches_loop(gamma: float, lam: float, norm: str) -> None:
     seqs, rewards, values = seqs_and_inputs(seed=4)
-    algo = algorithm_config("ppo", gamma=gamma, lam=lam, adv_norm=norm)
-    out = with_gae(seqs, rewards, values, algo)
+    algo = algorithm_config("ppo", lam=lam, adv_norm=norm)
+    # a discount on every token: gae's per-token factors (a per-turn discount sets them per turn)
+    out = with_gae(seqs, rewards, values, algo, discounts=[[gamma] * len(s) for s in seqs])
     advs = [
         ref_gae(r, v, s.loss_mask, gamma, lam)
         for s, r, v in zip(seqs, rewards, values, strict=True)

@@ -108,11 +108,45 @@ def group_advantages(
     return (reward_N.detach() - baseline_N) * scale_N
 
 
-def reward_to_go(reward_T: torch.Tensor, mask_T: torch.Tensor, gamma: float) -> torch.Tensor:
+def turn_group_advantages(
+    return_R: torch.Tensor,
+    group_ids: Sequence[str | None],
+    positions: Sequence[int],
+    mode: GroupMode,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Multi-turn credit: each turn's discounted return against the same turn position of its
+    group. R = every turn of every trajectory (row r is turn `positions[r]` of a trajectory of
+    group `group_ids[r]`); the group statistics of `group_baseline` are taken over the rows of
+    one group at one position, so every return is compared with returns of the same kind: the
+    same number of turns into the episode, with the same number of future rewards.
+
+    Properties (each tested against a float64 loop): a single-turn group is GRPO/RLOO/Dr.GRPO
+    on the episode; with one final reward and gamma 1 every position of a group sees the
+    episode rewards of the members that reached it; a uniform group (every member's return the
+    same at a position) gets 0 there, never `1 / eps`; with mean_std every advantage is a
+    z-score within its position's group, so no turn of any group outweighs another's scale. A
+    position only one member of its group reached has nothing to be compared with: 0 (in every
+    baselined mode). A None group id is a group of its own per trajectory: pass a unique id per
+    trajectory instead of None (rows of one None would not find each other)."""
+    if return_R.ndim != 1 or not return_R.shape[0] == len(group_ids) == len(positions):
+        raise ValueError(
+            f"return_R has shape {tuple(return_R.shape)}, with {len(group_ids)} group ids and "
+            f"{len(positions)} positions: pass one of each per turn"
+        )
+    keys = [None if g is None else f"{g}\x00{p}" for g, p in zip(group_ids, positions, strict=True)]
+    return group_advantages(return_R, keys, mode, eps)
+
+
+def reward_to_go(
+    reward_T: torch.Tensor, mask_T: torch.Tensor, gamma: float | torch.Tensor
+) -> torch.Tensor:
     """Per sampled token, the discounted sum of the token rewards from it to the segment's end,
     over sampled tokens only (`discounted_returns` of one row): how a per-token reward (the KL
-    penalty in the reward) reaches the advantages without a critic. 0 off the mask."""
-    return discounted_returns(reward_T[None], mask_T[None], gamma)[0]
+    penalty in the reward) reaches the advantages without a critic. 0 off the mask. `gamma` is
+    one factor or one per token (`gae`)."""
+    g = gamma[None] if isinstance(gamma, torch.Tensor) else gamma
+    return discounted_returns(reward_T[None], mask_T[None], g)[0]
 
 
 def normalize(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -160,23 +194,40 @@ def turn_values_to_tokens(
 
 
 def rewards_at_turn_ends(
-    reward_K: torch.Tensor, spans: Sequence[tuple[int, int]], length: int
+    reward_K: torch.Tensor, spans: Sequence[tuple[int, int]], length: int, discount: float = 1.0
 ) -> torch.Tensor:
     """Token rewards for GAE: each turn's reward on the last sampled token of that turn.
 
     A turn with no sampled tokens has nowhere to put its reward; it is added to the last sampled
-    token before it (for GAE that credits the same earlier tokens), or dropped if there is none.
+    token before it, discounted once per turn between them (`discount ** (k - k')`, so the
+    returns there are what the per-turn discount makes them), or dropped if there is none.
     """
     if reward_K.ndim != 1 or reward_K.shape[0] != len(spans):
         raise ValueError(f"{len(spans)} turn spans need {len(spans)} rewards, got {reward_K.shape}")
     _check_spans(spans, length)
     out_T = torch.zeros(length, dtype=reward_K.dtype, device=reward_K.device)
-    last = -1
+    last, last_k = -1, -1
     for k, (start, end) in enumerate(spans):
         if end > start:
-            last = end - 1
+            last, last_k = end - 1, k
         if last >= 0:
-            out_T[last] += reward_K[k]
+            out_T[last] += reward_K[k] * discount ** (k - last_k)
+    return out_T
+
+
+def turn_discounts(spans: Sequence[tuple[int, int]], length: int, discount: float) -> torch.Tensor:
+    """The per-token discount of `gae` for one segment under a per-turn `discount`: at each
+    sampled token, the factor to the next sampled token of the row, 1 inside a turn and
+    `discount ** d` from a turn's last sampled token to the next turn that has one, d turns
+    later (a turn without sampled tokens still counts). float64, 1 off the spans."""
+    _check_spans(spans, length)
+    out_T = torch.ones(length, dtype=torch.float64)
+    prev_end, prev_k = -1, -1
+    for k, (start, end) in enumerate(spans):
+        if end > start:
+            if prev_end >= 0:
+                out_T[prev_end] = discount ** (k - prev_k)
+            prev_end, prev_k = end - 1, k
     return out_T
 
 
@@ -184,16 +235,18 @@ def gae(
     rewards_BT: torch.Tensor,
     values_BT: torch.Tensor,
     mask_BT: torch.Tensor,
-    gamma: float,
+    gamma: float | torch.Tensor,
     lam: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the sampled tokens of each row.
 
     Walking each row backwards over its sampled tokens only (AReaL skips masked positions: neither
     the discount nor the value chain advances across prompt or tool tokens):
-    `delta_t = r_t + gamma * V_next - V_t`, `A_t = delta_t + gamma * lam * A_next`, where `next` is
+    `delta_t = r_t + g_t * V_next - V_t`, `A_t = delta_t + g_t * lam * A_next`, where `next` is
     the next sampled token of the row, and after the last sampled token `V_next = A_next = 0` (the
     episode ends; no bootstrap). `returns = A + V`. Both outputs are 0 at masked positions.
+    `gamma` is one discount g for every step, or `[B, T]` of them: g_t the factor from token t
+    to the next sampled token (`turn_discounts`: a per-turn discount, 1 inside a turn).
 
     `values_BT[b, t]` is the critic's value of the state before token t is sampled (computed at
     position t - 1, aligned like logprobs); rewards sit on sampled tokens (`rewards_at_turn_ends`),
@@ -207,12 +260,15 @@ def gae(
         )
     r, v = rewards_BT.detach(), values_BT.detach()
     m = mask_BT.bool()
+    if isinstance(gamma, torch.Tensor) and gamma.shape != rewards_BT.shape:
+        raise ValueError(f"gamma has shape {tuple(gamma.shape)}; rewards {tuple(r.shape)}")
+    g_BT = gamma.to(r.dtype) if isinstance(gamma, torch.Tensor) else torch.full_like(r, gamma)
     adv_BT = torch.zeros_like(r)
     next_value_B = torch.zeros_like(r[:, 0])
     next_adv_B = torch.zeros_like(r[:, 0])
     for t in reversed(range(r.shape[1])):
-        delta_B = r[:, t] + gamma * next_value_B - v[:, t]
-        adv_B = delta_B + gamma * lam * next_adv_B
+        delta_B = r[:, t] + g_BT[:, t] * next_value_B - v[:, t]
+        adv_B = delta_B + g_BT[:, t] * lam * next_adv_B
         m_B = m[:, t]
         next_adv_B = torch.where(m_B, adv_B, next_adv_B)
         next_value_B = torch.where(m_B, v[:, t], next_value_B)
@@ -222,7 +278,7 @@ def gae(
 
 
 def discounted_returns(
-    rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float
+    rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float | torch.Tensor
 ) -> torch.Tensor:
     """Reward-to-go over each row's sampled tokens: GAE with V = 0 and lam = 1 (AReaL without a
     critic). With one final reward and gamma = 1 every sampled token gets that reward."""

@@ -4,14 +4,17 @@ The pipeline these knobs describe (the trainer applies it in this order, as ARea
 
 1. shaping: DAPO overlong penalty (`overlong_buffer`), dynamic sampling (`dynamic_sampling`);
 2. per-trajectory baseline against its group (`group_baseline`);
-3. token advantages: GAE with a critic (`use_critic`, `gamma`, `lam`), otherwise the discounted
+3. token advantages: GAE with a critic (`use_critic`, `lam`), otherwise the discounted
    reward-to-go (GAE with V = 0, lam = 1); a KL penalty goes into the token rewards when
-   `kl_placement` is "reward";
+   `kl_placement` is "reward". The discount is the run's one per-turn `discount` (a run
+   setting, not a knob here): 1 between the tokens of a turn, `discount` from one turn to the
+   next, for the returns, GAE and the KL reward-to-go alike;
 4. batch normalisation of the advantages (`adv_norm`);
 5. the update: the batch in `ppo_n_minibatches` mini-batches, one optimizer step each, for
    `ppo_epochs` passes;
-6. the loss: PPO clip (`eps_low`, `eps_high`, `dual_clip_c`), decoupled (`decoupled`,
-   `behav_imp_weight_cap`), token or sequence ratio (`importance_level`), aggregation (`agg`),
+6. the loss: PPO clip (`eps_low`, `eps_high`, `dual_clip_c`), decoupled (`decoupled`), the
+   engine/trainer mismatch correction of its behaviour weight (`behav_imp_weight_cap`,
+   `behav_imp_weight_mode`), token or sequence ratio (`importance_level`), aggregation (`agg`),
    KL to a reference (`kl_coef`, `kl_kind`) and an entropy bonus (`entropy_coef`).
 
 Preset values follow AReaL's algorithm matrix and example YAMLs (examples/math/gsm8k_*.yaml); the
@@ -28,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.algorithms.advantages import GroupMode
 from trainer.algorithms.aggregation import AggMode
-from trainer.algorithms.losses import ImportanceLevel, KLKind
+from trainer.algorithms.losses import BehavWeightMode, ImportanceLevel, KLKind
 
 
 class AlgorithmConfig(BaseModel):
@@ -44,8 +47,6 @@ class AlgorithmConfig(BaseModel):
     """eps added to every std divisor (AReaL's default)."""
     use_critic: bool = False
     """Train a value model and use GAE (PPO); otherwise V = 0."""
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    """Per-token discount for returns and GAE."""
     lam: float = Field(default=1.0, ge=0, le=1)
     """GAE lambda (used only with a critic)."""
     value_clip: float | None = Field(default=0.5, gt=0)
@@ -60,8 +61,11 @@ class AlgorithmConfig(BaseModel):
     decoupled: bool = True
     """Decoupled PPO (AReaL): ratio against recomputed proximal logprobs, weighted by
     pi_prox / pi_behaviour; needs one extra forward pass per step."""
-    behav_imp_weight_cap: float | None = Field(default=5.0, gt=1)
-    """Decoupled only: drop tokens whose pi_prox / pi_behaviour exceeds this; None: keep all."""
+    behav_imp_weight_cap: float | None = 5.0
+    """Decoupled only: the bound c > 1 on w = pi_prox / pi_behaviour; None: w applied uncapped."""
+    behav_imp_weight_mode: BehavWeightMode = "mask"
+    """How the cap corrects w (one bound for all three): mask drops tokens with w > c (MIS,
+    AReaL's), truncate uses min(w, c) (TIS), icepop drops tokens with w outside [1/c, c]."""
     importance_level: ImportanceLevel = "token"
     """Ratio per token (PPO) or per sequence as the geometric mean (GSPO)."""
     agg: AggMode = "token_mean"
@@ -120,6 +124,24 @@ class AlgorithmConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
+        cap, mode = self.behav_imp_weight_cap, self.behav_imp_weight_mode
+        if cap is not None and cap <= 1:
+            raise ValueError(
+                f"behav_imp_weight_cap={cap} is not above 1: it bounds w = pi_prox / "
+                "pi_behaviour, which is 1 on policy, so it would mask or truncate tokens the "
+                "engine and trainer agree on: set it above 1 (AReaL uses 5.0), or to null to "
+                "apply w uncapped"
+            )
+        if mode != "mask" and cap is None:
+            raise ValueError(
+                f"behav_imp_weight_mode={mode} needs the bound it applies: set "
+                "behav_imp_weight_cap (e.g. 5.0)"
+            )
+        if mode != "mask" and not self.decoupled:
+            raise ValueError(
+                f"behav_imp_weight_mode={mode} corrects the decoupled loss's behaviour weight: "
+                "set decoupled=true, or leave the mode at mask"
+            )
         if self.agg == "seq_mean_token_sum" and self.norm_len is None:
             raise ValueError(
                 "agg=seq_mean_token_sum divides each sequence's loss sum by a constant: set "
@@ -129,7 +151,8 @@ class AlgorithmConfig(BaseModel):
 
 
 PRESETS: dict[str, AlgorithmConfig] = {
-    # gsm8k_ppo.yaml: critic with eps_clip 0.5, GAE with AReaL's default gamma = lam = 1.
+    # gsm8k_ppo.yaml: critic with eps_clip 0.5, GAE with AReaL's default lam = 1 (the discount is
+    # the run's per-turn `discount`, 1 by default as AReaL's).
     "ppo": AlgorithmConfig(group_baseline="none", use_critic=True, eps_low=0.4, eps_high=0.4),
     # Matrix: group mean/std reward norm, batch adv norm, decoupled + cap 5, eps_clip 0.4.
     "grpo": AlgorithmConfig(group_baseline="mean_std", eps_low=0.4, eps_high=0.4),

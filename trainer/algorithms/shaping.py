@@ -20,12 +20,15 @@ def overlong_shaping(
     overlong_buffer: int,
     penalty_factor: float = 1.0,
 ) -> torch.Tensor:
-    """DAPO's soft overlong punishment, exactly AReaL's formula:
-    `r + min(-(L - (max_len - overlong_buffer)) / overlong_buffer * penalty_factor, 0)`.
+    """DAPO's soft overlong punishment, AReaL's formula bounded at the penalty it reaches at
+    `max_len`: `r + clamp(-(L - (max_len - overlong_buffer)) / overlong_buffer * penalty_factor,
+    -penalty_factor, 0)`.
 
     No penalty up to `max_len - overlong_buffer` tokens, then a linear one reaching
-    `-penalty_factor` at `max_len` (the run's max_tokens). `length_N` is the response length the
-    budget applies to (the sampled tokens of the completion).
+    `-penalty_factor` at `max_len` (the run's max_tokens), and no more beyond it: a response
+    longer than the budget (one the gateway did not cap) is punished as one that filled it, not
+    without bound. `length_N` is the response length the budget applies to (the sampled tokens
+    of the completion).
     """
     if not 0 < overlong_buffer <= max_len:
         raise ValueError(
@@ -36,7 +39,7 @@ def overlong_shaping(
         raise ValueError(f"reward_N {reward_N.shape} and length_N {length_N.shape} differ")
     start = max_len - overlong_buffer
     penalty_N = -(length_N.to(reward_N.dtype) - start) / overlong_buffer * penalty_factor
-    return reward_N + penalty_N.clamp(max=0.0)
+    return reward_N + penalty_N.clamp(min=-penalty_factor, max=0.0)
 
 
 def drop_uniform_groups(reward_N: torch.Tensor, group_ids: Sequence[str | None]) -> torch.Tensor:

@@ -4,7 +4,9 @@ The LR schedule (`LRSchedule`), the checks of `train_step`'s arguments, the upda
 non-finite grad norm skips it; the step counts either way), the step's stats (the loss callback's
 stats merged over micro-batches and ranks, the loss summed), and the schedule's record in a
 checkpoint (`trainer_state.json`: the step, the schedule, the scheduler's state, plus what a
-backend adds), so that FSDP and Megatron resume alike.
+backend adds), so that FSDP and Megatron resume alike. A checkpoint resumes under a schedule
+whose LR curve is its own (`LRSchedule.curve`): a run may train on past its `max_steps` under a
+constant schedule (after its warmup, if any), never where the decay would change.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,6 +52,14 @@ class LRSchedule:
         if self.kind == "linear":
             return 1.0 - progress
         return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def curve(self) -> dict[str, Any]:
+        """What the multiplier at every step depends on: all of it, less `total_steps` under a
+        constant schedule (which never decays)."""
+        settings = asdict(self)
+        if self.kind == "constant":
+            del settings["total_steps"]
+        return settings
 
 
 StepRecord = tuple[int, float, dict[str, float]]
@@ -107,15 +117,24 @@ def write_state(
 
 
 def read_state(path: Path, schedule: LRSchedule) -> dict[str, Any]:
-    """What `write_state` wrote in `path`; ValueError when it was written with another schedule
-    (the resumed run's LR would jump)."""
+    """What `write_state` wrote in `path`; ValueError when it was written with a schedule of
+    another curve (the resumed run's LR would jump). Only `total_steps` (the run's max_steps) may
+    differ, and only under a constant schedule."""
     state: dict[str, Any] = json.loads((path / STATE_FILE).read_text())
-    if state["schedule"] != asdict(schedule):
+    saved = LRSchedule(**state["schedule"])
+    if saved.curve() == schedule.curve():
+        return state
+    if replace(saved, total_steps=schedule.total_steps) == schedule:
         raise ValueError(
-            f"checkpoint {path} was saved with LR schedule {state['schedule']}; this backend "
-            f"has {asdict(schedule)}: construct it with the same schedule settings"
+            f"checkpoint {path} was saved with a {saved.kind} LR schedule that decays to 0 at "
+            f"step {saved.total_steps} (max_steps); resuming with {schedule.total_steps} would "
+            f"change its curve: keep max_steps at {saved.total_steps} (only a constant schedule, "
+            "after its warmup, lets a run train on past the max_steps it began with)"
         )
-    return state
+    raise ValueError(
+        f"checkpoint {path} was saved with LR schedule {asdict(saved)}; this backend has "
+        f"{asdict(schedule)}: construct it with the same schedule settings"
+    )
 
 
 def restore_scheduler(
