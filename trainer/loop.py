@@ -260,6 +260,12 @@ class Trainer:
                 await self.store.settle_consumed(
                     [t.session.id for t in stale], step=-1, outcome=Outcome.STALE
                 )
+                log.warning(
+                    "%d trajectories held tokens more than eta=%d steps old: settled as stale "
+                    "(stale_tokens: drop; mask would train their fresh tokens)",
+                    len(stale),
+                    cfg.eta,
+                )
                 self.settled[Outcome.STALE] += len(stale)
                 batch = [t for t in batch if t not in stale]
                 stale_versions = frozenset()

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from store import Store
+from store.types import Outcome
 from tests.integration.gateway_server import run_gateway
 
 pytestmark = pytest.mark.slow
@@ -86,6 +87,8 @@ def record(gw: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
                         "tokens_per_s": 100.0 * step,
                     },
                 )
+            # what the trainer made of the sessions: one left out by dynamic sampling
+            await store.settle_consumed([second["id"]], step=-1, outcome=Outcome.FILTERED)
         finally:
             await store.close()
 
@@ -130,6 +133,10 @@ def test_page_shows_a_run_opens_a_trajectory_pauses_and_sets_a_reward(
                 expect(row).to_contain_text("ui-e2e")
                 row.click()
                 expect(page.get_by_test_id("run-id")).to_have_text(run_id)
+                # every session's outcome, counted
+                expect(page.get_by_test_id("outcome-filtered")).to_have_text("1")
+                expect(page.get_by_test_id("outcome-pending")).to_have_text("1")
+                expect(page.get_by_test_id("outcome-trained")).to_have_text("0")
                 # its charts read the recorded steps
                 expect(page.get_by_test_id("chart-reward_mean")).to_contain_text("last 0.3")
                 expect(page.get_by_test_id("chart-tokens_per_s")).to_contain_text("last 300")

@@ -6,7 +6,9 @@ on the tiny model."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -396,3 +398,53 @@ async def test_outcomes_and_late_rewards_over_http(
         rid = refuse["id"]
         assert samples[f'rlgateway_run_sessions{{outcome="trained",run="{rid}"}}'] == 1
         assert samples[f'rlgateway_run_sessions{{outcome="orphaned",run="{rid}"}}'] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stale_tokens", ["mask", "drop"])
+async def test_stale_tokens_are_masked_or_their_trajectory_dropped(
+    tiny_model: Path, tmp_path: Path, stale_tokens: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One trajectory whose turn's first tokens were sampled by version 0 and the rest by 4,
+    trained at version 5 under eta 1: `mask` trains it on the fresh tokens alone (the stale
+    ones are context, counted), `drop` settles it as stale."""
+    store = await Store.connect(f"sqlite:///{tmp_path}/store.db")
+    try:
+        run = await store.create_run("t", {})
+        (new,) = await store.create_sessions(run.id, 1, group_id="g")
+        sid = new.info.id
+        mixed = dataclasses.replace(record(sid, f"{sid}-c"), versions=[0, 0, 4, 4])
+        await store.record_completions([mixed])
+        await store.add_reward(sid, 1.0)
+        await store.end_session(sid)
+        cfg = config(
+            run.id,
+            tmp_path,
+            eta=1,
+            batch_size=1,
+            group_size=1,
+            algo={"group_baseline": "none"},
+            stale_tokens=stale_tokens,
+        )
+        backend = build_backend(cfg.backend_config(str(tiny_model)))
+        trainer = Trainer(cfg, store, backend, None, report=lambda _: None)
+        await trainer.resume()
+        trainer.version = 5  # as after five steps
+
+        async def settled() -> bool:
+            return None not in (await outcomes(store, [sid])).values()
+
+        with caplog.at_level(logging.WARNING, logger="trainer.loop"):
+            await train_until(trainer, settled)
+        if stale_tokens == "mask":
+            assert await outcomes(store, [sid]) == {sid: "trained"}
+            (row,) = metrics(tmp_path)
+            assert row["stale_tokens"] == 2
+            assert row["tokens"] == 2  # the fresh ones: 4 sampled, 2 masked as stale
+        else:
+            assert await outcomes(store, [sid]) == {sid: "stale"}
+            assert "1 trajectories held tokens more than eta=1 steps old" in caplog.text
+            assert trainer.settled["stale"] == 1  # reported with the next metrics row
+        trainer.close()
+    finally:
+        await store.close()

@@ -263,6 +263,10 @@ async def test_synchronous_mode_trains_only_current_policy_tokens(
         assert h.engine.version() == 3
         assert [r["staleness_max"] for r in rows] == [0, 0, 0]
         assert [r["trajectories"] for r in rows] == [8, 8, 8]
+        # every trained token is on-policy: the engine-vs-trainer mismatch is the kernels' alone
+        assert all(r["mismatch_tokens"] == r["tokens"] > 0 for r in rows), rows
+        assert all(r["mismatch_abs_max"] < 1e-3 for r in rows), rows
+        assert all(0 <= r["mismatch_kl"] < 1e-6 for r in rows), rows
         assert list((tmp_path / "ckpt" / "tb").glob("events.out.tfevents.*"))
 
 
