@@ -196,15 +196,20 @@ async def settle_consumed(
         result = await s.execute(
             update(SessionRow)
             .where(SessionRow.id.in_(ids), SessionRow.train_state != TrainState.CONSUMED.value)
-            .values(
-                train_state=TrainState.CONSUMED.value,
-                consumed_step=step,
-                outcome=outcome.value,
-                lease_owner=None,
-                lease_expires_at=None,
-            )
+            .values(**_settled(step, outcome))
         )
         return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+
+def _settled(step: int, outcome: Outcome) -> dict[str, object]:
+    """The columns of a session the trainer settled at `step` with `outcome`, lease released."""
+    return {
+        "train_state": TrainState.CONSUMED.value,
+        "consumed_step": step,
+        "outcome": outcome.value,
+        "lease_owner": None,
+        "lease_expires_at": None,
+    }
 
 
 def _outcome_of(step: int, outcome: Outcome | None) -> Outcome:
@@ -375,13 +380,7 @@ async def claim_groups(
             await s.execute(
                 update(SessionRow)
                 .where(SessionRow.id.in_(incomplete))
-                .values(
-                    train_state=TrainState.CONSUMED.value,
-                    consumed_step=-1,
-                    outcome=Outcome.INCOMPLETE.value,
-                    lease_owner=None,
-                    lease_expires_at=None,
-                )
+                .values(**_settled(-1, Outcome.INCOMPLETE))
             )
         chosen: list[str] = []
         if sum(len(groups[k]) for k in ready) >= batch_size:
@@ -464,11 +463,7 @@ async def end_idle(
             await s.execute(
                 update(SessionRow)
                 .where(SessionRow.id.in_(orphaned))
-                .values(
-                    train_state=TrainState.CONSUMED.value,
-                    consumed_step=-1,
-                    outcome=Outcome.ORPHANED.value,
-                )
+                .values(**_settled(-1, Outcome.ORPHANED))
             )
     return idle, orphaned
 
