@@ -57,8 +57,11 @@ async def test_the_launcher_starts_sglang_with_its_flags_restarts_it_and_stops_i
         pid = server.pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)  # the server crashes: the supervisor starts it again
+        # restarted: a new process that has come up far enough to record its start (a loaded
+        # machine can take seconds between the two)
         for _ in range(1200):
-            if server.restarts == 1 and server.pid != pid and server.running:
+            started = len(record.read_text().splitlines())
+            if server.restarts == 1 and server.pid != pid and server.running and started == 2:
                 break
             await asyncio.sleep(0.1)
         assert server.restarts == 1
