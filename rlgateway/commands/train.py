@@ -29,7 +29,13 @@ def run_train(args: argparse.Namespace) -> int:
         raise CLIError(
             "--gateway-url needs the gateway's admin token: --admin-token or RLGATEWAY_ADMIN_TOKEN"
         )
-    return asyncio.run(_train(cfg, args.gateway_url, token))
+    code = asyncio.run(_train(cfg, args.gateway_url, token))
+    # this rank's collectives are done and the trainer is dropped: free the process groups
+    # while the interpreter is intact (their threads must not outlive it)
+    from trainer.backends.fsdp import shutdown_distributed
+
+    shutdown_distributed()
+    return code
 
 
 async def _train(cfg: object, gateway_url: str | None, token: str | None) -> int:

@@ -45,9 +45,11 @@ LR schedule.
 from __future__ import annotations
 
 import atexit
+import gc
 import math
 import os
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
@@ -123,16 +125,47 @@ def init_distributed(device_type: str) -> tuple[int, int]:
         else:
             store = dist.HashStore()  # type: ignore[attr-defined]
             dist.init_process_group(backend, store=store, rank=0, world_size=1)
-        # A group still alive at interpreter exit takes its communication threads down with
-        # std::terminate (SIGABRT): tear it down first.
+        # the end of a program that does not call it itself (`rlgateway train` does)
         atexit.register(shutdown_distributed)
     return dist.get_rank(), dist.get_world_size()
 
 
+_meshes: list[weakref.ref[DeviceMesh]] = []
+"""The root meshes of the backends' parameters (`_hold_meshes`), for `shutdown_distributed`."""
+
+
 def shutdown_distributed() -> None:
-    """Destroy the default process group, if one is up (idempotent)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroys every process group and frees it, joining its threads (idempotent). Call it on
+    every rank once every collective is done and the backends are dropped: `rlgateway train` does
+    at its end; an atexit hook does otherwise.
+
+    `destroy_process_group` only unregisters the groups. A gloo group's worker threads run until
+    the group object is freed, and other holders keep it: each root mesh (torch's
+    `DeviceMesh._pg_registry`; DTensor's caches keep the meshes after their backends) and the
+    backends themselves, in reference cycles through FSDP's module state, until the collector
+    runs. Freed in the interpreter's finalization instead, a group may still have a worker thread
+    releasing its last collective's tensors, whose Python objects need the GIL; granted it once the
+    interpreter is finalizing, the thread ends by pthread_exit inside a noexcept destructor:
+    std::terminate ("terminate called without an active exception", SIGABRT) after the run's work
+    is done. Here they are freed with the interpreter intact (torch frees a group with the GIL
+    released, so its workers finish). Groups that megatron-core's parallel state holds (the
+    Megatron backend's) are not released here."""
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    for ref in _meshes:
+        mesh = ref()
+        if mesh is not None:
+            mesh._pg_registry.clear()
+    _meshes.clear()
+    gc.collect()
+
+
+def _hold_meshes(meshes: Iterable[DeviceMesh]) -> None:
+    """Has `shutdown_distributed` release the groups of `meshes`' roots (where they are kept)."""
+    _meshes[:] = [ref for ref in _meshes if ref() is not None]
+    roots = {id(root): root for root in (mesh._get_root_mesh() for mesh in meshes)}
+    _meshes.extend(weakref.ref(root) for root in roots.values())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -227,6 +260,10 @@ class FSDPBackend:
             else MixedPrecisionPolicy()
         )
         self._shard(model, mesh, mp)
+        # every mesh the model's shards live on (a subclass's expert mesh too)
+        _hold_meshes(
+            [self.mesh, *(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))]
+        )
         self.model = model
 
         self.grad_clip = grad_clip
