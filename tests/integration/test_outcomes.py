@@ -143,17 +143,21 @@ async def test_an_incomplete_group_is_judged_at_its_deadline(store: Store, parti
         assert info.consumed_step == -1
 
 
-async def test_group_mates_ending_half_a_second_apart_are_trained_together(store: Store) -> None:
-    """`drop` acts only after the deadline: a group whose members end 0.5 s apart is never
-    dropped at the first poll that sees it incomplete (as it was, in every poll of 0.2 s)."""
+@pytest.mark.parametrize("partial", ["wait", "drop"])
+async def test_group_mates_ending_half_a_second_apart_are_trained_together(
+    store: Store, partial: str
+) -> None:
+    """Before the deadline nothing acts: a group whose members end 0.5 s apart is neither
+    trained alone (`wait`) nor dropped at the first poll that sees it incomplete (`drop` did,
+    in every poll of 0.2 s)."""
     run = await store.create_run("t", {})
     first = await group(store, run.id, "g", 1)
     polls = []
     for _ in range(3):
-        polls.append(await claim(store, run.id, batch_size=2, partial_groups="drop"))
+        polls.append(await claim(store, run.id, batch_size=1, partial_groups=partial))
         await asyncio.sleep(0.2)
     second = await group(store, run.id, "g", 1)
-    got = await claim(store, run.id, batch_size=2, partial_groups="drop")
+    got = await claim(store, run.id, batch_size=2, partial_groups=partial)
     assert all(p.trajectories == [] and p.incomplete == [] for p in polls)
     assert ids(got.trajectories) == set(first + second)
 
