@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from store.db import Database, utcnow
 from store.errors import LeaseLostError, NotFoundError
@@ -428,24 +429,8 @@ async def end_idle(
         )
         if not candidates:
             return [], []
-        last_turn = dict(
-            (
-                await s.execute(
-                    select(CompletionRow.session_id, func.max(CompletionRow.created_at))
-                    .where(CompletionRow.session_id.in_(candidates))
-                    .group_by(CompletionRow.session_id)
-                )
-            ).all()
-        )
-        last_reward = dict(
-            (
-                await s.execute(
-                    select(RewardRow.session_id, func.max(RewardRow.created_at))
-                    .where(RewardRow.session_id.in_(candidates))
-                    .group_by(RewardRow.session_id)
-                )
-            ).all()
-        )
+        last_turn = await _latest(s, CompletionRow, candidates)
+        last_reward = await _latest(s, RewardRow, candidates)
         idle = [
             sid
             for sid in candidates
@@ -466,6 +451,18 @@ async def end_idle(
                 .values(**_settled(-1, Outcome.ORPHANED))
             )
     return idle, orphaned
+
+
+async def _latest(
+    s: AsyncSession, table: type[CompletionRow] | type[RewardRow], ids: list[str]
+) -> dict[str, datetime]:
+    """Session id -> the newest `created_at` of its rows in `table` (its last turn or reward)."""
+    rows = await s.execute(
+        select(table.session_id, func.max(table.created_at))
+        .where(table.session_id.in_(ids))
+        .group_by(table.session_id)
+    )
+    return {sid: t for sid, t in rows.all()}
 
 
 def _aware(t: datetime) -> datetime:

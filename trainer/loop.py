@@ -101,6 +101,8 @@ class Trainer:
         self.lineage = lineage.Lineage()
         """Which weights each version number names (`trainer.lineage`): staleness is counted
         in steps along it."""
+        self._idle_checked = -math.inf
+        """When `_end_idle` last looked (monotonic seconds)."""
         self.settled = Counter[str]()
         """Sessions settled while collecting since the last metrics row (incomplete,
         orphaned), by outcome: reported with the next row."""
@@ -219,9 +221,7 @@ class Trainer:
                     return None
                 await asyncio.sleep(cfg.poll_seconds)  # paused: start no step, hold no lease
                 continue
-            ended, orphaned = await self.store.end_idle(
-                cfg.run, idle_seconds=cfg.session_idle_seconds
-            )
+            ended, orphaned = await self._end_idle()
             if ended:
                 log.warning(
                     "%d sessions idle for %.0f s were never ended: ended them (%d without a "
@@ -272,6 +272,15 @@ class Trainer:
             if batch:
                 return Claimed(batch, stale_versions)
             await asyncio.sleep(cfg.poll_seconds)
+
+    async def _end_idle(self) -> tuple[list[str], list[str]]:
+        """`Store.end_idle`, at most every tenth of `session_idle_seconds` (it writes: polling
+        it as often as the queue would take the store's write lock every poll)."""
+        now = time.monotonic()
+        if now < self._idle_checked + self.cfg.session_idle_seconds / 10:
+            return [], []
+        self._idle_checked = now
+        return await self.store.end_idle(self.cfg.run, idle_seconds=self.cfg.session_idle_seconds)
 
     async def _run_status(self) -> RunStatus | None:
         """The run's status as the operator set it (None once the run is deleted)."""
