@@ -343,13 +343,14 @@ class Trainer:
 
         if not self.algo.needs_proximal:
             return {}
+        age = _ages(self.lineage, seqs, self.version)
         rows = [
             (p, b)
             for s in seqs
             for p, b, v, m in zip(
                 s.prox_logprobs or [], s.behav_logprobs, s.versions, s.loss_mask, strict=False
             )
-            if m and v >= 0 and self.lineage.age(v, self.version) == 0
+            if m and v >= 0 and age[v] == 0
         ]
         out = {"mismatch_tokens": float(len(rows))}
         if rows:
@@ -529,11 +530,9 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         seqs = done.sequences
         n_tokens = sum(s.num_loss_tokens for s in seqs)
+        age = _ages(self.lineage, seqs, version)
         staleness = [
-            self.lineage.age(v, version)
-            for s in seqs
-            for v, m in zip(s.versions, s.loss_mask, strict=True)
-            if m
+            age[v] for s in seqs for v, m in zip(s.versions, s.loss_mask, strict=True) if m
         ]
         rewards = built.rewards
         row = self._emit(
@@ -579,6 +578,13 @@ class Claimed:
 
     trajectories: list[Trajectory]
     stale_versions: frozenset[int] = frozenset()
+
+
+def _ages(tree: lineage.Lineage, seqs: list[TrainSequence], current: int) -> dict[int, int]:
+    """Steps from each version that sampled a trained token to `current`: one walk of the
+    lineage per distinct version, not per token."""
+    versions = {v for s in seqs for v, m in zip(s.versions, s.loss_mask, strict=True) if m}
+    return {v: tree.age(v, current) for v in versions}
 
 
 def _sampled_versions(t: Trajectory) -> set[int]:
