@@ -127,8 +127,9 @@ class GatewayMetrics:
         )
         self.run_sessions = Gauge(
             "rlgateway_run_sessions",
-            "A run's sessions by what the trainer made of them (trained, stale, filtered, "
-            "untrainable, incomplete, orphaned; pending: not settled yet)",
+            "A run's sessions by what became of them (trained, stale, filtered, untrainable, "
+            "incomplete, orphaned; failed: ended by its agent as failed; pending: not settled "
+            "yet)",
             ["run", "outcome"],
             registry=r,
         )

@@ -50,6 +50,7 @@ def info_json(info: SessionInfo) -> dict[str, Any]:
         "train_state": info.train_state.value,
         "outcome": info.outcome.value if info.outcome is not None else None,
         "consumed_step": info.consumed_step,
+        "failure": info.failure,
     }
 
 

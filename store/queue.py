@@ -6,13 +6,17 @@ under an expired lease. Claims are atomic: PostgreSQL locks the chosen rows with
 the claim in one `BEGIN IMMEDIATE` transaction. Consumption is all-or-nothing.
 
 Groups (`claim_groups`) are judged whole, from every trainable member the store holds, never
-inside a window of the oldest sessions: a group is ready when it has `group_size` trainable
-members, or at once under `partial_groups: use`, or at its deadline (`deadline_seconds` after
-its first member ended), where `wait` trains it as it is and `drop` settles it as `incomplete`.
-A session never ended that sees nothing for `idle_seconds` is ended (`end_idle`): a crashed
-agent's group reaches its deadline instead of waiting forever.
+inside a window of the oldest sessions: a group is ready when its trainable members plus its
+failed ones (ended by their agent as failed, settled at once: `store.sessions.end_session`)
+reach `group_size`, or at once under `partial_groups: use`, or at its deadline
+(`deadline_seconds` after its first trainable member ended), where `wait` trains it as it is and
+`drop` settles it as `incomplete`. A failed member is never trained: its group trains without
+it, and a group whose members all failed has nothing to claim. A session never ended that sees
+nothing for `idle_seconds` is ended (`end_idle`): a crashed agent's group reaches its deadline
+instead of waiting forever.
 
-Every session the trainer settles gets its `Outcome` (`sessions.outcome`).
+Every session the trainer settles gets its `Outcome` (`sessions.outcome`), and so does one its
+agent ended as failed.
 
 Trajectories come without their aborted turns (`store.trajectories`): a reply the agent never saw
 whole is never trained.
@@ -30,6 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from store.db import Database, utcnow
 from store.errors import LeaseLostError, NotFoundError
+from store.sessions import settled
 from store.tables import CompletionRow, RewardRow, SessionRow
 from store.trajectories import check_gamma, load_sessions
 from store.types import Outcome, TrainState, Trajectory
@@ -197,20 +202,9 @@ async def settle_consumed(
         result = await s.execute(
             update(SessionRow)
             .where(SessionRow.id.in_(ids), SessionRow.train_state != TrainState.CONSUMED.value)
-            .values(**_settled(step, outcome))
+            .values(**settled(step, outcome))
         )
         return int(result.rowcount or 0)  # type: ignore[attr-defined]
-
-
-def _settled(step: int, outcome: Outcome) -> dict[str, object]:
-    """The columns of a session the trainer settled at `step` with `outcome`, lease released."""
-    return {
-        "train_state": TrainState.CONSUMED.value,
-        "consumed_step": step,
-        "outcome": outcome.value,
-        "lease_owner": None,
-        "lease_expires_at": None,
-    }
 
 
 def _outcome_of(step: int, outcome: Outcome | None) -> Outcome:
@@ -339,8 +333,9 @@ async def claim_groups(
 ) -> GroupClaim:
     """Lease whole ready groups, oldest first (by their first member's end), once they add up
     to at least `batch_size` trajectories; nothing while they do not (module docstring for
-    when a group is ready). Under `drop`, groups past their deadline short of `group_size` are
-    settled as `incomplete` here, in the same transaction."""
+    when a group is ready: failed members count toward `group_size`, read in the same
+    transaction, and are never leased). Under `drop`, groups past their deadline short of
+    `group_size` are settled as `incomplete` here, in the same transaction."""
     check_gamma(gamma)
     if batch_size < 1 or group_size < 1:
         raise ValueError(f"batch_size and group_size must be >= 1, got {batch_size}, {group_size}")
@@ -357,6 +352,12 @@ async def claim_groups(
                 .order_by(SessionRow.ended_at, SessionRow.id)
             )
         ).all()
+        failed_rows = await s.execute(
+            select(SessionRow.group_id, func.count())
+            .where(SessionRow.run_id == run_id, SessionRow.outcome == Outcome.FAILED.value)
+            .group_by(SessionRow.group_id)
+        )
+        failed = {gid: int(n) for gid, n in failed_rows.all() if gid is not None}
         groups: dict[str, list[str]] = defaultdict(list)
         first_end: dict[str, datetime] = {}
         for sid, gid, ended in rows:
@@ -369,7 +370,7 @@ async def claim_groups(
         incomplete: list[str] = []
         waiting = 0
         for key, members in groups.items():  # oldest first: rows are ordered by their end
-            if len(members) >= group_size or partial_groups == "use":
+            if len(members) + failed.get(key, 0) >= group_size or partial_groups == "use":
                 ready.append(key)
             elif now - first_end[key] < deadline:
                 waiting += 1
@@ -381,7 +382,7 @@ async def claim_groups(
             await s.execute(
                 update(SessionRow)
                 .where(SessionRow.id.in_(incomplete))
-                .values(**_settled(-1, Outcome.INCOMPLETE))
+                .values(**settled(-1, Outcome.INCOMPLETE))
             )
         chosen: list[str] = []
         if sum(len(groups[k]) for k in ready) >= batch_size:
@@ -390,10 +391,12 @@ async def claim_groups(
                     break
                 chosen += groups[key]
         if chosen:
-            lock = select(SessionRow.id).where(SessionRow.id.in_(chosen))
+            # Still trainable once locked: an agent may have failed one since it was read.
+            lock = select(SessionRow.id).where(SessionRow.id.in_(chosen), _trainable(run_id, now))
             if db.dialect == "postgresql":
                 lock = lock.with_for_update(skip_locked=True, of=SessionRow)
-            chosen = [i for i in chosen if i in set(await s.scalars(lock))]
+            locked = set(await s.scalars(lock))
+            chosen = [i for i in chosen if i in locked]
             await s.execute(
                 update(SessionRow)
                 .where(SessionRow.id.in_(chosen))
@@ -448,7 +451,7 @@ async def end_idle(
             await s.execute(
                 update(SessionRow)
                 .where(SessionRow.id.in_(orphaned))
-                .values(**_settled(-1, Outcome.ORPHANED))
+                .values(**settled(-1, Outcome.ORPHANED))
             )
     return idle, orphaned
 

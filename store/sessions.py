@@ -1,4 +1,8 @@
-"""Runs and sessions: creation, lookup by id or bearer key, and ending."""
+"""Runs and sessions: creation, lookup by id or bearer key, and ending (as failed, too).
+
+A session its agent ends as failed is settled at once (`Outcome.FAILED`, its reason in
+`sessions.failure`), with the same columns the trainer's queue writes when it settles one
+(`settled`): it is never claimed, and its group is judged without it (`store.queue`)."""
 
 from __future__ import annotations
 
@@ -8,11 +12,14 @@ import secrets
 from sqlalchemy import select, update
 
 from store.db import Database, new_id, utcnow
-from store.errors import NotFoundError
+from store.errors import ConflictError, NotFoundError
 from store.tables import RunRow, SessionRow
 from store.types import JSON, NewSession, Outcome, Run, SessionInfo, SessionStatus, TrainState
 
 MAX_SESSIONS_PER_CALL = 1024
+
+MAX_FAILURE_CHARS = 500
+"""The longest failure reason kept (`sessions.failure`); a longer one is truncated."""
 
 
 def hash_key(api_key: str) -> str:
@@ -39,7 +46,20 @@ def info_from_row(row: SessionRow) -> SessionInfo:
         train_state=TrainState(row.train_state),
         outcome=Outcome(row.outcome) if row.outcome is not None else None,
         consumed_step=row.consumed_step,
+        failure=row.failure,
     )
+
+
+def settled(step: int, outcome: Outcome) -> dict[str, object]:
+    """The columns of a session settled at `step` with `outcome`, lease released (what the
+    trainer's queue writes, and an agent's failure)."""
+    return {
+        "train_state": TrainState.CONSUMED.value,
+        "consumed_step": step,
+        "outcome": outcome.value,
+        "lease_owner": None,
+        "lease_expires_at": None,
+    }
 
 
 def session_not_found(session_id: str) -> NotFoundError:
@@ -117,14 +137,63 @@ async def session_for_key(db: Database, api_key: str) -> SessionInfo | None:
     return None if row is None else info_from_row(row)
 
 
-async def end_session(db: Database, session_id: str) -> SessionInfo:
+async def end_session(db: Database, session_id: str, *, failure: str | None = None) -> SessionInfo:
+    """See `Store.end_session`."""
+    reason = None if failure is None else _stored_failure(failure)
     async with db.write() as s:
-        await s.execute(
-            update(SessionRow)
-            .where(SessionRow.id == session_id, SessionRow.ended_at.is_(None))
-            .values(ended_at=utcnow())
-        )
-        row = await s.get(SessionRow, session_id)
+        if reason is None:
+            await s.execute(
+                update(SessionRow)
+                .where(SessionRow.id == session_id, SessionRow.ended_at.is_(None))
+                .values(ended_at=utcnow())
+            )
+            row = await s.get(SessionRow, session_id)
+            if row is None:
+                raise session_not_found(session_id)
+            return info_from_row(row)
+        row = await s.get(SessionRow, session_id, with_for_update=True)
         if row is None:
             raise session_not_found(session_id)
+        if row.outcome == Outcome.FAILED.value:
+            if row.failure != reason:
+                raise ConflictError(
+                    f"session {session_id!r} already failed with {row.failure!r}: a session "
+                    "fails once, with one reason; nothing was changed"
+                )
+            return info_from_row(row)
+        if row.train_state != TrainState.PENDING.value:
+            raise ConflictError(
+                f"session {session_id!r} {_taken(row)}: it can no longer be ended as failed. "
+                "End a failed episode with its failure in place of rewarding and ending it"
+            )
+        await s.execute(
+            update(SessionRow)
+            .where(SessionRow.id == session_id)
+            .values(
+                ended_at=row.ended_at or utcnow(),
+                failure=reason,
+                **settled(-1, Outcome.FAILED),
+            )
+        )
+        await s.refresh(row)
         return info_from_row(row)
+
+
+def _stored_failure(failure: str) -> str:
+    """The reason as stored: at most `MAX_FAILURE_CHARS`, NUL (which PostgreSQL text cannot
+    hold) replaced by U+FFFD. ValueError for an empty one."""
+    if not failure:
+        raise ValueError(
+            "a failure reason must not be empty: say why the session failed, or end it "
+            "without a failure"
+        )
+    return failure.replace("\x00", "\ufffd")[:MAX_FAILURE_CHARS]
+
+
+def _taken(row: SessionRow) -> str:
+    """How the trainer took this session (it is claimed or consumed)."""
+    if row.train_state == TrainState.CLAIMED.value:
+        return f"is claimed by the trainer ({row.lease_owner})"
+    if row.outcome == Outcome.TRAINED.value:
+        return f"was trained at step {row.consumed_step}"
+    return f"was settled as {row.outcome or 'dropped'}"

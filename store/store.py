@@ -193,9 +193,16 @@ class Store:
         """The session whose bearer key this is, or None."""
         return await sessions.session_for_key(self._db, api_key)
 
-    async def end_session(self, session_id: str) -> SessionInfo:
-        """End the session (idempotent: `ended_at` is set once). NotFoundError if unknown."""
-        return await sessions.end_session(self._db, session_id)
+    async def end_session(self, session_id: str, *, failure: str | None = None) -> SessionInfo:
+        """End the session (idempotent: `ended_at` is set once). NotFoundError if unknown.
+
+        With a `failure` (why its episode failed; kept to its first 500 characters) it is also
+        settled at once as `Outcome.FAILED`: never claimed nor trained, even if it holds a
+        reward, and its group is judged without it. An ended session can still fail while the
+        trainer has not taken it; once claimed or settled, ConflictError. Failing it again with
+        the same reason changes nothing; with another, ConflictError. ValueError for an empty
+        reason."""
+        return await sessions.end_session(self._db, session_id, failure=failure)
 
     async def load_segments(self, session_id: str) -> list[SegmentState]:
         """The session's segments by index, each with its transcript and exact tokens."""

@@ -12,7 +12,8 @@
   which is the order returns are discounted in.
 - The trainer's queue lives on `sessions`: `train_state` pending -> claimed (with
   `lease_owner`/`lease_expires_at`) -> consumed (`consumed_step`, the step that trained it or
-  -1, and `outcome`: trained, stale, filtered, untrainable, incomplete or orphaned).
+  -1, and `outcome`: trained, stale, filtered, untrainable, incomplete or orphaned). A session
+  its agent ends as failed is settled at once (outcome `failed`, its reason in `failure`).
 - `runs.status` (active, paused, stopped) is what the operator set and the trainer obeys;
   `runs.key_hash` is the sha256 of the run's agent key. `train_steps` holds one row per
   trainer step (its metrics and checkpoint): the run's training time series.
@@ -114,6 +115,9 @@ class SessionRow(Base):
     outcome: Mapped[str | None] = mapped_column(String(16))
     """What became of the session once the trainer settled it (`store.types.Outcome`); NULL
     while it is not settled."""
+    failure: Mapped[str | None] = mapped_column(String(500))
+    """Why its agent ended it as failed (outcome `failed`), at most 500 characters; NULL
+    otherwise."""
 
 
 class SegmentRow(Base):

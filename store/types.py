@@ -56,6 +56,10 @@ class Outcome(enum.StrEnum):
     ORPHANED = "orphaned"
     """Never ended, idle past `session_idle_seconds`, and holding no reward: ended by the
     trainer."""
+    FAILED = "failed"
+    """Ended by its agent (or the experiment runner) as failed, with a reason
+    (`SessionInfo.failure`): never trained, even if it holds a reward; its group is judged
+    without it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,8 @@ class SessionInfo:
     """What the trainer made of it once settled (None before)."""
     consumed_step: int | None = None
     """The step that trained it (an outcome other than trained: -1); None before."""
+    failure: str | None = None
+    """Why its agent ended it as failed (outcome failed); None otherwise."""
 
 
 @dataclass(frozen=True, slots=True)

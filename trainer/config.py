@@ -161,9 +161,10 @@ class TrainConfig(RunConfig):
     (grpo, dapo, rloo, gspo, dr_grpo) compares: at least 2 there. 1 only for an algorithm without
     one (ppo, reinforce_pp), whose sessions need no group_id."""
     partial_groups: Literal["wait", "drop", "use"] = "wait"
-    """A group with fewer than group_size trainable sessions: `wait` for the rest until its
-    deadline (`group_deadline_seconds`), then train what arrived; `drop` it at its deadline
-    (its sessions' outcome `incomplete`); `use` what arrived at once."""
+    """A group with fewer than group_size trainable sessions (members its agents ended as
+    failed count toward group_size, never trained): `wait` for the rest until its deadline
+    (`group_deadline_seconds`), then train what arrived; `drop` it at its deadline (its
+    sessions' outcome `incomplete`); `use` what arrived at once."""
     group_deadline_seconds: float = Field(900.0, gt=0)
     """A group's deadline: this long after its first member ended, an incomplete group is
     judged by `partial_groups` (trained as is, or dropped), so a crashed agent never stalls

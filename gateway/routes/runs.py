@@ -59,8 +59,9 @@ async def list_runs(gw: GatewayDep, _: AdminDep) -> dict[str, Any]:
 
 @router.get("/runs/{run_id}", responses=_RUN)
 async def get_run(gw: GatewayDep, _: RunAgentDep, run_id: str) -> dict[str, Any]:
-    """The run, with `outcomes`: how many of its sessions the trainer settled in each outcome
-    (trained, stale, filtered, untrainable, incomplete, orphaned) and how many are `pending`."""
+    """The run, with `outcomes`: how many of its sessions were settled in each outcome
+    (trained, stale, filtered, untrainable, incomplete, orphaned by the trainer; failed by their
+    agent) and how many are `pending`."""
     run = await gw.store.get_run(run_id)
     return {**run_json(run), "outcomes": await gw.store.outcome_counts(run_id)}
 

@@ -16,6 +16,7 @@ from gateway.routes.access import DOC_BEARER, AdminDep
 from gateway.run_configs import discount_of
 from gateway.views import detail_json, info_json
 from store.rewards import MAX_ABS_REWARD
+from store.sessions import MAX_FAILURE_CHARS
 
 router = APIRouter(
     tags=["sessions"],
@@ -41,6 +42,13 @@ class RewardSet(CheckedBody):
     reward: Reward
     completion_id: str | None = None
     """The turn whose reward is set; omit it to set the episode's final reward."""
+
+
+class EndIn(CheckedBody):
+    failure: str | None = Field(None, min_length=1, max_length=MAX_FAILURE_CHARS)
+    """Why the episode failed (its reward function raised, its agent crashed, ...): the session
+    is settled as `failed` at once, never trained, and its group is judged without it. Omit it
+    to end the session as usual."""
 
 
 async def _gamma(gw: Gateway, run_id: str) -> float:
@@ -79,10 +87,17 @@ async def set_reward(
     return {"session_id": session_id, "rewards": detail_json(d)["rewards"], "returns": d.returns}
 
 
-@router.post("/sessions/{session_id}/end")
-async def end(gw: GatewayDep, request: Request, session_id: str) -> dict[str, Any]:
+@router.post("/sessions/{session_id}/end", responses=error_docs(400, 409, 413))
+async def end(
+    gw: GatewayDep, request: Request, session_id: str, body: EndIn | None = None
+) -> dict[str, Any]:
+    """End the session (again: no change). With `{"failure": "why"}` it ends as failed: settled
+    at once (`outcome` failed, the reason in `failure`), never trained, and its group is judged
+    without it. A session the trainer already took (claimed, trained or dropped) cannot fail:
+    409; failing it again with the same reason changes nothing."""
     await resolve(request, gw.sessions, gw.settings.admin_token, session_id)
-    info = await gw.store.end_session(session_id)
+    failure = body.failure if body is not None else None
+    info = await gw.store.end_session(session_id, failure=failure)
     gw.sessions.remember(info)
     return info_json(info)
 

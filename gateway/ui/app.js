@@ -111,9 +111,9 @@ async function runPage(runId) {
   pollTimer = setInterval(() => refresh().catch(() => {}), 3000);
 }
 
-// What the trainer made of the run's sessions: every one it took ends in one outcome.
+// What became of the run's sessions: every one the trainer took, or its agent failed, ends in one outcome.
 function outcomeTable(outcomes) {
-  const names = ["trained", "stale", "filtered", "untrainable", "incomplete", "orphaned", "pending"];
+  const names = ["trained", "stale", "filtered", "untrainable", "incomplete", "orphaned", "failed", "pending"];
   return el("table", { testid: "outcomes" },
     el("tr", {}, ...names.map((n) => el("th", {}, n))),
     el("tr", {}, ...names.map((n) => el("td", { testid: "outcome-" + n }, (outcomes || {})[n] ?? 0))));
@@ -206,6 +206,7 @@ async function sessionPage(sessionId) {
       el("dt", {}, "prefix breaks"), el("dd", {}, s.prefix_breaks),
       el("dt", {}, "training"), el("dd", { testid: "outcome" },
         s.outcome ? `${s.outcome}${s.outcome === "trained" ? " at step " + s.consumed_step : ""}` : s.train_state),
+      ...(s.failure ? [el("dt", {}, "failure"), el("dd", { class: "mono", testid: "failure" }, s.failure)] : []),
       el("dt", {}, "returns"), el("dd", { class: "mono", testid: "returns" }, JSON.stringify(s.returns))),
     el("h2", {}, "Rewards"), rewards, form,
     el("h2", {}, "Trajectory"),

@@ -58,8 +58,8 @@ TOOL_HISTORY = [
 
 
 def record(gw: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """A run with two recorded sessions (one with a tool result in its history) and three
-    training steps in the store."""
+    """A run with two recorded sessions (one with a tool result in its history, whose agent
+    then ended it as failed) and three training steps in the store."""
     run_id = gw.create_run("ui-e2e", {"batch_size": 2, "group_size": 2})
     first, second = gw.new_sessions(2, run_id=run_id, group_id="g")
     for s, messages in ((first, TOOL_HISTORY), (second, [{"role": "user", "content": "hi"}])):
@@ -71,6 +71,8 @@ def record(gw: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
         )
         assert r.status_code == 200, r.text
     gw.client.post(f"/sessions/{second['id']}/reward", json={"reward": 0.5})
+    r = gw.client.post(f"/sessions/{first['id']}/end", json={"failure": "grader raised"})
+    assert r.status_code == 200, r.text
 
     async def steps() -> None:
         store = await Store.connect(gw.database_url)
@@ -135,7 +137,8 @@ def test_page_shows_a_run_opens_a_trajectory_pauses_and_sets_a_reward(
                 expect(page.get_by_test_id("run-id")).to_have_text(run_id)
                 # every session's outcome, counted
                 expect(page.get_by_test_id("outcome-filtered")).to_have_text("1")
-                expect(page.get_by_test_id("outcome-pending")).to_have_text("1")
+                expect(page.get_by_test_id("outcome-failed")).to_have_text("1")
+                expect(page.get_by_test_id("outcome-pending")).to_have_text("0")
                 expect(page.get_by_test_id("outcome-trained")).to_have_text("0")
                 # its charts read the recorded steps
                 expect(page.get_by_test_id("chart-reward_mean")).to_contain_text("last 0.3")
@@ -152,6 +155,8 @@ def test_page_shows_a_run_opens_a_trajectory_pauses_and_sets_a_reward(
 
                 # open the trajectory with the tool result
                 page.locator(f'[data-testid="session-row"][data-session="{first["id"]}"]').click()
+                expect(page.get_by_test_id("outcome")).to_have_text("failed")
+                expect(page.get_by_test_id("failure")).to_have_text("grader raised")
                 seg = page.get_by_test_id("segment")
                 expect(seg).to_have_count(1)
                 sampled = seg.locator(".tok.sampled")
