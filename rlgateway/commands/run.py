@@ -1,0 +1,33 @@
+"""`rlgateway run SPEC.yaml [--out DIR] [--gateway-url URL] [KEY=VALUE ...]`: an experiment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from rlgateway.errors import CLIError
+
+
+def run_experiment(args: argparse.Namespace) -> int:
+    from rlgateway.experiment.runner import Experiment
+
+    try:
+        exp = Experiment.from_yaml(
+            args.spec,
+            list(args.overrides),
+            out=args.out,
+            gateway_url=args.gateway_url,
+            admin_token=args.admin_token or os.environ.get("RLGATEWAY_ADMIN_TOKEN"),
+            run_id=args.run,
+        )
+        exp.prepare().reward.close()  # every part checked before anything starts
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+    print(f"experiment {exp.spec.name}: outputs in {exp.out}", flush=True)
+    try:
+        summary = exp.run()
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+    print(json.dumps(summary, indent=2))
+    return 0

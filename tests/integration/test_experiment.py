@@ -1,0 +1,247 @@
+"""`rlgateway run` and `Experiment` as a user runs them, on the tiny model: the whole loop
+(gateway, trainer, rollouts, evaluation, outputs), resuming without repeating or skipping a row,
+and every way a user's part can fail (a raising grader, a hanging one, an agent program that
+crashes) recorded as the session's outcome while the run goes on."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlgateway.experiment.runner import Experiment
+from tests.integration.gateway_server import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+FILES = Path(__file__).resolve().parent / "experiment_files"
+
+
+def write_spec(folder: Path, rows: list[dict[str, Any]], **over: Any) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "eval.jsonl").write_text(
+        "".join(json.dumps({"q": f"eval {i}", "mode": "ok"}) + "\n" for i in range(3))
+    )
+    spec: dict[str, Any] = {
+        "name": "exp",
+        "model": "tiny",
+        "dataset": {
+            "path": "rows.jsonl",
+            "eval_path": "eval.jsonl",
+            "fields": {"prompt": "q"},
+            "seed": 7,
+        },
+        "workflow": {"type": "single_turn", "prompt": "{prompt}"},
+        "reward": {"fn": str(FILES / "parts.py") + ":even_length", "timeout": 1.0},
+        "train": {
+            "group_size": 2,
+            "batch_size": 4,
+            "max_steps": 2,
+            "max_tokens": 6,
+            "optim": {"lr": 1e-3},
+        },
+        "concurrency": 2,
+        "eval": {"every": 1},
+    }
+    for key, value in over.items():
+        spec[key] = value if not isinstance(value, dict) else {**spec.get(key, {}), **value}
+    path = folder / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def store_sessions(out: Path, run_id: str) -> list[dict[str, Any]]:
+    with sqlite3.connect(out / "store.db") as db:
+        db.row_factory = sqlite3.Row
+        rows = db.execute(
+            "SELECT id, group_id, metadata, ended_at, outcome, failure FROM sessions "
+            "WHERE run_id = ? ORDER BY created_at",
+            (run_id,),
+        )
+        return [dict(r) | {"metadata": json.loads(r["metadata"])} for r in rows]
+
+
+def metrics(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_trains_evaluates_and_resumes_without_repeating_a_row(tmp_path: Path) -> None:
+    rows = [{"q": f"question {i}", "mode": "ok"} for i in range(5)]
+    spec = write_spec(tmp_path / "spec", rows)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "rlgateway.cli", "run", str(spec), "--out", str(out)]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2
+    assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((out / "tb").iterdir()), "no TensorBoard event file"
+    got = metrics(out)
+    evals = [r for r in got if "eval_rows" in r]
+    # the base policy, then as the trainer passes each multiple of eval.every (evaluating the
+    # step it finds: a fast trainer may be past it), and the final policy
+    steps = [r["step"] for r in evals]
+    assert steps[0] == 0
+    assert steps[-1] == 2
+    assert steps == sorted(set(steps))
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_rows"] == 3 for r in evals)
+    assert [r["step"] for r in got if "reward_mean" in r and "eval_rows" not in r] == [1, 2]
+
+    # again, two more steps: the trainer resumes from its checkpoint, the rows from the store
+    again = subprocess.run(
+        [*cmd, "max_steps=4"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT
+    )
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    state = json.loads((out / "experiment.json").read_text())
+    sessions = store_sessions(out, state["run_id"])
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for s in sessions:
+        groups.setdefault(s["group_id"], []).append(s)
+    answered = [
+        (g[0]["metadata"]["epoch"], g[0]["metadata"]["index"])
+        for g in groups.values()
+        if any(s["ended_at"] is not None and s["outcome"] != "failed" for s in g)
+    ]
+    assert len(answered) == len(set(answered)), "a row was answered twice"
+    # the rows handed out are a prefix of the stream: epoch by epoch, no index skipped
+    by_epoch: dict[int, set[int]] = {}
+    for epoch, index in answered:
+        by_epoch.setdefault(epoch, set()).add(index)
+    last = max(by_epoch)
+    for epoch, indices in by_epoch.items():
+        if epoch < last:
+            assert indices == set(range(5)), f"epoch {epoch} skipped a row: {sorted(indices)}"
+    assert len(answered) >= 8, "4 steps of 2 groups each"
+    # the first run's evaluation rows are kept; the second evaluated later steps only
+    later = [r["step"] for r in metrics(out) if "eval_rows" in r][len(steps) :]
+    assert later
+    assert later[-1] == 4
+    assert all(s > 2 for s in later)
+
+
+def test_failing_parts_are_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
+    rows = [{"q": f"question {i}", "mode": m} for i, m in enumerate(["ok", "boom", "hang", "ok"])]
+    spec = write_spec(
+        tmp_path / "spec",
+        rows,
+        reward={"fn": str(FILES / "parts.py") + ":flaky", "timeout": 0.5, "executor": "process"},
+        train={"max_steps": 1},
+        eval={"every": 0},
+    )
+    out = tmp_path / "out"
+    summary = Experiment.from_yaml(spec, out=out).run()
+    assert summary["steps"] == 1
+    assert summary["failures"].get("reward_error", 0) >= 2, summary
+    assert summary["failures"].get("reward_timeout", 0) >= 2, summary
+    sessions = store_sessions(out, summary["run_id"])
+    failed = [s for s in sessions if s["outcome"] == "failed"]
+    reasons = {s["failure"] for s in failed}
+    assert any("the grader broke on this row" in r for r in reasons), reasons
+    assert any(r.startswith("reward timeout") for r in reasons), reasons
+    modes = {rows[int(s["metadata"]["prompt"].split()[-1])]["mode"] for s in failed}
+    assert modes <= {"boom", "hang"}, reasons
+    assert any(s["outcome"] == "trained" for s in sessions)
+
+
+def test_a_crashing_agent_program_is_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
+    rows = [{"q": f"question {i}", "mode": m} for i, m in enumerate(["ok", "crash", "ok"])]
+    spec = write_spec(
+        tmp_path / "spec",
+        rows,
+        workflow={"type": "agent", "command": ["python", str(FILES / "agent.py")], "timeout": 60},
+        train={"max_steps": 1},
+        eval={"every": 0},
+    )
+    del_eval = yaml.safe_load(spec.read_text())
+    del_eval["dataset"].pop("eval_path")
+    spec.write_text(yaml.safe_dump(del_eval))
+    out = tmp_path / "out"
+    summary = Experiment.from_yaml(spec, out=out).run()
+    assert summary["steps"] == 1
+    assert summary["failures"].get("agent", 0) >= 2
+    sessions = store_sessions(out, summary["run_id"])
+    failed = [s for s in sessions if s["outcome"] == "failed"]
+    assert failed
+    assert all("exited with status 3" in s["failure"] for s in failed)
+    assert all("the agent fell over" in s["failure"] for s in failed)
+    assert any(s["outcome"] == "trained" for s in sessions)
+
+
+def answered_rows(out: Path) -> list[tuple[int, int]]:
+    """(epoch, index) of each group that got an answer, in creation order."""
+    state = json.loads((out / "experiment.json").read_text())
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for s in store_sessions(out, state["run_id"]):
+        groups.setdefault(s["group_id"], []).append(s)
+    return [
+        (g[0]["metadata"]["epoch"], g[0]["metadata"]["index"])
+        for g in groups.values()
+        if any(s["ended_at"] is not None and s["outcome"] != "failed" for s in g)
+    ]
+
+
+def test_smollm2_math_two_steps_evaluates_and_resumes_mid_epoch(tmp_path: Path) -> None:
+    """The real model on four GSM8K-style problems: two steps, an evaluation row, and a second
+    run that continues the epoch where the first stopped."""
+    from examples.math.problems import problems
+
+    folder = tmp_path / "spec"
+    folder.mkdir()
+    rows = problems(4, seed=3)
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in problems(2, seed=4)))
+    spec = {
+        "name": "math-smoke",
+        "model": "smollm2",
+        "dataset": {
+            "path": "train.jsonl",
+            "eval_path": "eval.jsonl",
+            "fields": {"prompt": "question"},
+            "required": ["prompt", "answer"],
+        },
+        "workflow": {"type": "single_turn", "prompt": "{prompt} Answer with just the number."},
+        "reward": {"fn": "math_answer"},
+        "train": {
+            "group_size": 2,
+            "batch_size": 2,
+            "max_steps": 1,
+            "max_tokens": 24,
+            "optim": {"lr": 1e-6},
+        },
+        "concurrency": 1,
+        "eval": {"every": 0},
+    }
+    (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "rlgateway.cli", "run", str(folder / "spec.yaml"), "--out"]
+    first = subprocess.run(
+        [*cmd, str(out)], capture_output=True, text=True, timeout=900, cwd=REPO_ROOT
+    )
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    evals = [r for r in metrics(out) if "eval_rows" in r]
+    assert [r["step"] for r in evals] == [0, 1]
+    assert all(r["eval_rows"] == 2 and 0.0 <= r["eval_accuracy"] <= 1.0 for r in evals)
+    before = answered_rows(out)
+    assert before
+    assert all(epoch == 0 for epoch, _ in before)
+    assert len(before) < 4, "the first run stops mid-epoch"
+
+    second = subprocess.run(
+        [*cmd, str(out), "max_steps=2"], capture_output=True, text=True, timeout=900, cwd=REPO_ROOT
+    )
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    after = answered_rows(out)
+    assert after[: len(before)] == before
+    assert len(after) == len(set(after)), "a row was answered twice"
+    stream = [(epoch, index) for epoch in range(3) for index in range(4)]
+    assert sorted(after) == stream[: len(after)], "a row of the stream was skipped"
+    assert len(after) > len(before)
