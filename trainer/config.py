@@ -381,16 +381,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """The YAML file at `path`, which must hold a mapping (an empty file is an empty one).
+    Raises ValueError naming `what` and the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{what} {p} does not exist")
+    loaded = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{p} must hold a mapping of settings, not {type(loaded).__name__}")
+    return loaded
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML run config (or none: defaults) and apply overrides. Raises ValueError with a
     message that names the bad field and file."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config file {p} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{p} must hold a mapping of settings, not {type(loaded).__name__}")
-        data = loaded
+    data = read_yaml_mapping(path, "config file") if path is not None else {}
     return validate_config(apply_overrides(data, overrides or []), str(path or "config"))

@@ -47,6 +47,12 @@ class GatewayClient:
         _check(r)
         return str(r.json()["id"])
 
+    async def version(self) -> int:
+        """The policy version the gateway serves now."""
+        r = await self.http.get("/admin/version")
+        _check(r)
+        return int(r.json()["version"])
+
     async def get_run(self, run_id: str) -> dict[str, Any]:
         r = await self.http.get(f"/runs/{run_id}")
         _check(r)

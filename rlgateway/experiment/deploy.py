@@ -48,6 +48,11 @@ class Deployment(Protocol):
         """The trainer's step rows since the last call."""
         ...
 
+    async def stop_training(self) -> None:
+        """Stop the trainer this deployment started (none for a remote one), so that the final
+        evaluation sees one fixed policy."""
+        ...
+
     async def record_eval(self, step: int, version: int, row: dict[str, Any]) -> None:
         """Show an evaluation row on the web page (as a step of the evaluation run)."""
         ...
@@ -75,7 +80,7 @@ def _save_state(out: Path, state: dict[str, Any]) -> None:
 
 class LocalDeployment:
     def __init__(self) -> None:
-        self.client: GatewayClient
+        self.client: GatewayClient = None  # type: ignore[assignment]  # set by start()
         self.run_id = ""
         self.eval_run_id = ""
         self.served_model_name = ""
@@ -164,17 +169,20 @@ class LocalDeployment:
         rows, self._rows[:] = list(self._rows), []
         return rows
 
+    async def stop_training(self) -> None:
+        if self._trainer is not None:
+            await self._trainer.stop()
+            self._step = int(self._trainer.trainer.step)
+            self._trainer = None
+
     async def record_eval(self, step: int, version: int, row: dict[str, Any]) -> None:
         await self._c.store.record_step(
             self.eval_run_id, step, version=version, metrics=row, checkpoint=None
         )
 
     async def close(self) -> None:
-        if self._trainer is not None:
-            await self._trainer.stop()
-            self._step = int(self._trainer.trainer.step)
-            self._trainer = None
-        if hasattr(self, "client"):
+        await self.stop_training()
+        if self.client is not None:
             await self.client.close()
         if self._server is not None and self._serving is not None:
             self._server.should_exit = True
@@ -250,6 +258,9 @@ class RemoteDeployment:
         if rows:
             self._step = max(int(r["step"]) for r in rows)
         return rows
+
+    async def stop_training(self) -> None:
+        return None  # the deployment's trainer is not ours to stop
 
     async def record_eval(self, step: int, version: int, row: dict[str, Any]) -> None:
         return None  # the page shows the evaluation run's sessions; its curve is local

@@ -47,11 +47,15 @@ async def evaluate(
             assert got is not None  # the evaluation run is not throttled
             return got
 
+    first = await rollouts.client.version()
     try:
         results = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
     finally:
         await own.close()
+    last = await rollouts.client.version()
+    # a policy published meanwhile answered part of it: the row says which versions did
     out: dict[str, Any] = {"step": step, "eval_rows": len(rows)}
+    out |= {"eval_version_first": first, "eval_version_last": last}
     if spec.greedy:
         greedy = [r[0].reward for r in results]
         out["eval_accuracy"] = _mean(

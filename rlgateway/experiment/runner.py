@@ -311,6 +311,7 @@ class Experiment:
             if w.exception() is not None:
                 raise w.exception()  # type: ignore[misc]
         dep.raise_failure()
+        await dep.stop_training()
         for row in await dep.poll():
             report.write(row)
         await run_eval(dep.trained_step())

@@ -7,11 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlgateway.experiment.dataset import DatasetSpec
-from trainer.config import apply_overrides, describe_error
+from trainer.config import apply_overrides, describe_error, read_yaml_mapping
 
 
 class _Spec(BaseModel):
@@ -133,13 +132,8 @@ def spec_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> ExperimentSpec:
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"experiment spec {p} does not exist")
-    loaded = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(loaded, dict):
-        raise ValueError(f"{p} must hold a mapping, not {type(loaded).__name__}")
-    return parse_spec(spec_overrides(loaded, overrides or []), str(p))
+    loaded = read_yaml_mapping(path, "experiment spec")
+    return parse_spec(spec_overrides(loaded, overrides or []), str(path))
 
 
 def parse_spec(data: dict[str, Any], source: str = "spec") -> ExperimentSpec:

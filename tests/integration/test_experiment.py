@@ -93,6 +93,17 @@ def test_run_trains_evaluates_and_resumes_without_repeating_a_row(tmp_path: Path
     assert steps == sorted(set(steps))
     assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_rows"] == 3 for r in evals)
     assert [r["step"] for r in got if "reward_mean" in r and "eval_rows" not in r] == [1, 2]
+    # the page charts the evaluation run's steps: the same rows, in the store
+    state = json.loads((out / "experiment.json").read_text())
+    with sqlite3.connect(out / "store.db") as db:
+        charted = db.execute(
+            "SELECT step, metrics FROM train_steps WHERE run_id = ? ORDER BY step",
+            (state["eval_run_id"],),
+        ).fetchall()
+    assert [step for step, _ in charted] == steps
+    assert [json.loads(m)["eval_accuracy"] for _, m in charted] == [
+        r["eval_accuracy"] for r in evals
+    ]
 
     # again, two more steps: the trainer resumes from its checkpoint, the rows from the store
     again = subprocess.run(
@@ -245,3 +256,75 @@ def test_smollm2_math_two_steps_evaluates_and_resumes_mid_epoch(tmp_path: Path) 
     stream = [(epoch, index) for epoch in range(3) for index in range(4)]
     assert sorted(after) == stream[: len(after)], "a row of the stream was skipped"
     assert len(after) > len(before)
+
+
+def test_an_experiment_drives_a_running_deployment(tmp_path: Path, tiny_model: Path) -> None:
+    """`--gateway-url`: a gateway with its trainer (`rlgateway serve --train`, a process of its
+    own) trains the run; the experiment only speaks HTTP to it."""
+    from tests.integration.gateway_server import run_gateway
+
+    config = tmp_path / "run.yaml"
+    train = {
+        "group_size": 2,
+        "batch_size": 4,
+        "max_steps": 2,
+        "max_tokens": 6,
+        "checkpoint_dir": str(tmp_path / "ckpt"),
+        "tensorboard": False,
+        "optim": {"lr": 1e-3},
+    }
+    config.write_text(yaml.safe_dump(train))
+    rows = [{"q": f"question {i}", "mode": "ok"} for i in range(5)]
+    spec = write_spec(tmp_path / "spec", rows, train={"max_steps": 2}, eval={"every": 0})
+    out = tmp_path / "out"
+    with run_gateway(tiny_model, tmp_path, extra_args=("--train", "--config", str(config))) as gw:
+        run_id = gw.trained_run()
+        exp = Experiment.from_yaml(
+            spec, out=out, gateway_url=gw.url, admin_token=gw.admin_token, run_id=run_id
+        )
+        summary = exp.run()
+        assert summary["steps"] == 2
+        assert summary["run_id"] == run_id
+        listed = gw.client.get(f"/runs/{run_id}/sessions", params={"limit": 500}).json()
+        assert listed["total"] == summary["episodes"]
+        assert gw.client.get("/admin/version").json()["version"] == 2
+    evals = [r for r in metrics(out) if "eval_rows" in r]
+    assert evals[0]["step"] == 0
+    assert evals[-1]["step"] == 2
+    assert [r["step"] for r in metrics(out) if "eval_rows" not in r] == [1, 2]
+
+
+def test_multi_turn_episodes_credit_the_turn_that_solved_them(tmp_path: Path) -> None:
+    """The built-in multi-turn workflow: a wrong answer gets the environment's feedback and
+    another try; the reward is posted for the turn that solved it (its completion id), a failed
+    episode gets a final 0, and the trainer trains both kinds."""
+    rows = [{"q": f"question {i}", "mode": "ok"} for i in range(4)]
+    spec = write_spec(
+        tmp_path / "spec",
+        rows,
+        workflow={
+            "type": "multi_turn",
+            "prompt": "{prompt}",
+            "max_turns": 3,
+            "feedback": "No ({turn}). Again.",
+        },
+        train={"max_steps": 1, "discount": 0.5},
+        eval={"every": 0},
+    )
+    out = tmp_path / "out"
+    summary = Experiment.from_yaml(spec, out=out).run()
+    assert summary["steps"] == 1
+    with sqlite3.connect(out / "store.db") as db:
+        rewards = db.execute(
+            "SELECT r.session_id, r.value, r.completion_id, "
+            "(SELECT COUNT(*) FROM completions c WHERE c.session_id = r.session_id) "
+            "FROM rewards r JOIN sessions s ON s.id = r.session_id WHERE s.run_id = ?",
+            (summary["run_id"],),
+        ).fetchall()
+    assert rewards
+    for _, value, completion_id, turns in rewards:
+        if value == 1.0:  # solved: credited at the solving turn, the episode's last
+            assert completion_id is not None
+        else:  # three wrong answers: a final reward of 0
+            assert (value, completion_id, turns) == (0.0, None, 3)
+    assert any(turns > 1 for *_, turns in rewards), "no episode needed feedback"
