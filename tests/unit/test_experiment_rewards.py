@@ -131,7 +131,8 @@ async def test_a_hang_is_a_timeout(runners: list[RewardRunner], fn: Any) -> None
     run = runner(runners, fn, timeout=0.3)
     start = time.monotonic()
     outcome = await run("p", "c", {})
-    assert time.monotonic() - start < 1.3
+    # long before the grader would return (30 s): a bound on behaviour, not on speed
+    assert time.monotonic() - start < 15
     assert outcome == RewardOutcome(None, "timeout", "no value after 0.3 s")
 
 
@@ -187,7 +188,7 @@ async def test_a_process_pool_kills_a_hung_worker_and_keeps_working(
     for _ in range(2):  # more hangs than workers: each one's worker is killed and replaced
         start = time.monotonic()
         assert (await run("p", "hang", {})).status == "timeout"
-        assert time.monotonic() - start < 1.5
+        assert time.monotonic() - start < 30, "it waited for the hung grader (60 s)"
     assert await run("p", "raise", {}) == RewardOutcome(None, "error", "RuntimeError: bad row")
     assert await run("p", "ok", {}) == RewardOutcome(2.0, "ok", "")
     assert (await run("p", "pid", {})).value != first_pid
@@ -363,7 +364,8 @@ def test_math_answer_never_raises_nor_stalls_on_garbage(reference: str) -> None:
     start = time.monotonic()
     for completion in NASTY:
         assert math_answer("p", completion, {"answer": reference}) in (0.0, 1.0), completion
-    assert time.monotonic() - start < 5
+    # the quadratic stall this guards against took 40 s on one of these strings
+    assert time.monotonic() - start < 30
 
 
 @settings(max_examples=100, deadline=None, database=None)
