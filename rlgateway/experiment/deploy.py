@@ -218,12 +218,8 @@ class RemoteDeployment:
         client = GatewayClient(url, admin_token)
         try:
             state = _state(out)
-            if run_id is not None:
-                state = {
-                    "url": url,
-                    "run_id": run_id,
-                    **{k: state[k] for k in ("eval_run_id",) if state.get("run_id") == run_id},
-                }
+            if run_id is not None and state.get("run_id") != run_id:
+                state = {"url": url, "run_id": run_id}  # another run: its own eval run too
             if state.get("url") not in (None, url) or "run_id" not in state:
                 stored = cfg.model_dump(mode="json", exclude={"run", "database_url"})
                 state = {"url": url, "run_id": await client.create_run(name, stored)}
