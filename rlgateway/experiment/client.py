@@ -38,6 +38,10 @@ class GatewayClient:
         )
         self.admission_waits = 0
         """429s answered by waiting: how often the staleness bound held rollouts back."""
+        self._admission: dict[str, asyncio.Lock] = {}
+        """Per run, groups are admitted in the order they asked (asyncio's lock is first come,
+        first served): a group waiting out a 429 is never overtaken by a later one, so the rows of
+        the data stream get sessions in stream order and none starves."""
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -69,20 +73,22 @@ class GatewayClient:
         stop: asyncio.Event | None = None,
     ) -> list[SessionHandle] | None:
         """`count` new sessions of one group; while the run is at its staleness bound (429) it
-        waits as Retry-After says and asks again. None when `stop` is set meanwhile."""
+        waits as Retry-After says and asks again, ahead of every group that asked later. None
+        when `stop` is set meanwhile."""
         body = {"count": count, "group_id": group_id, "metadata": metadata}
-        while stop is None or not stop.is_set():
-            r = await self.http.post(f"/runs/{run_id}/sessions", json=body)
-            if r.status_code == 429:
-                self.admission_waits += 1
-                wait = float(r.headers.get("retry-after", "1"))
-                await _sleep_or_stop(max(MIN_RETRY_SECONDS, min(wait, 1.0)), stop)
-                continue
-            _check(r)
-            return [
-                SessionHandle(s["id"], s["group_id"], s["base_url"], s["api_key"])
-                for s in r.json()["sessions"]
-            ]
+        async with self._admission.setdefault(run_id, asyncio.Lock()):
+            while stop is None or not stop.is_set():
+                r = await self.http.post(f"/runs/{run_id}/sessions", json=body)
+                if r.status_code == 429:
+                    self.admission_waits += 1
+                    wait = float(r.headers.get("retry-after", "1"))
+                    await _sleep_or_stop(max(MIN_RETRY_SECONDS, min(wait, 1.0)), stop)
+                    continue
+                _check(r)
+                return [
+                    SessionHandle(s["id"], s["group_id"], s["base_url"], s["api_key"])
+                    for s in r.json()["sessions"]
+                ]
         return None
 
     async def reward(self, session_id: str, value: float, completion_id: str | None = None) -> None:

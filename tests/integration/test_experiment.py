@@ -6,9 +6,12 @@ crashes) recorded as the session's outcome while the run goes on."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +69,12 @@ def store_sessions(out: Path, run_id: str) -> list[dict[str, Any]]:
             (run_id,),
         )
         return [dict(r) | {"metadata": json.loads(r["metadata"])} for r in rows]
+
+
+def open_sessions(out: Path, run_id: str) -> list[str]:
+    with sqlite3.connect(out / "store.db") as db:
+        q = "SELECT id FROM sessions WHERE run_id = ? AND ended_at IS NULL"
+        return [r[0] for r in db.execute(q, (run_id,))]
 
 
 def metrics(out: Path) -> list[dict[str, Any]]:
@@ -298,7 +307,8 @@ def test_multi_turn_episodes_credit_the_turn_that_solved_them(tmp_path: Path) ->
     """The built-in multi-turn workflow: a wrong answer gets the environment's feedback and
     another try; the reward is posted for the turn that solved it (its completion id), a failed
     episode gets a final 0, and the trainer trains both kinds."""
-    rows = [{"q": f"question {i}", "mode": "ok"} for i in range(4)]
+    # one step is two groups: both rows
+    rows = [{"q": "question 0", "mode": "never"}, {"q": "question 1", "mode": "ok"}]
     spec = write_spec(
         tmp_path / "spec",
         rows,
@@ -308,6 +318,7 @@ def test_multi_turn_episodes_credit_the_turn_that_solved_them(tmp_path: Path) ->
             "max_turns": 3,
             "feedback": "No ({turn}). Again.",
         },
+        reward={"fn": str(FILES / "parts.py") + ":every_second_try"},
         train={"max_steps": 1, "discount": 0.5},
         eval={"every": 0},
     )
@@ -327,4 +338,69 @@ def test_multi_turn_episodes_credit_the_turn_that_solved_them(tmp_path: Path) ->
             assert completion_id is not None
         else:  # three wrong answers: a final reward of 0
             assert (value, completion_id, turns) == (0.0, None, 3)
-    assert any(turns > 1 for *_, turns in rewards), "no episode needed feedback"
+    assert any(v == 1.0 and turns > 1 for _, v, _, turns in rewards), "none solved after feedback"
+    assert any(v == 0.0 for _, v, _, _ in rewards), "no episode failed all its turns"
+
+
+def test_a_killed_run_resumes_with_every_session_ended_and_no_row_answered_twice(
+    tmp_path: Path,
+) -> None:
+    """`kill -9` on `rlgateway run` (gateway, trainer and rollouts in one process) as its first
+    step lands, with episodes and an evaluation in flight; run again: the episodes the kill cut
+    short are ended as failed (both runs: training and evaluation), no row is answered twice, the
+    rows answered are a prefix of the stream, and the run reaches its steps."""
+    rows = [{"q": f"question {i}", "mode": "ok"} for i in range(5)]
+    spec = write_spec(
+        tmp_path / "spec",
+        rows,
+        reward={"fn": str(FILES / "parts.py") + ":slow_even_length", "timeout": 10.0},
+        train={"max_steps": 3},
+        concurrency=3,
+    )
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "rlgateway.cli", "run", str(spec), "--out", str(out)]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
+        start_new_session=True,
+    )
+    seen = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step    1"):
+                break
+        # the first step landed: the next step's episodes and the step's evaluation start; kill
+        # as soon as both have an episode in flight
+        state = json.loads((out / "experiment.json").read_text())
+        runs = (state["run_id"], state["eval_run_id"])
+        for _ in range(600):
+            if all(open_sessions(out, run) for run in runs):
+                break
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert any(x.startswith("step    1") for x in seen), "".join(seen)[-3000:]
+    assert all(open_sessions(out, run) for run in runs), "the kill cut nothing short"
+    before = answered_rows(out)
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    for run in runs:
+        assert not open_sessions(out, run), f"sessions left open in {run}"
+    after = answered_rows(out)
+    assert after[: len(before)] == before
+    assert len(after) == len(set(after)), "a row was answered twice"
+    last = max(epoch for epoch, _ in after)
+    assert last > 0, "three steps of two groups go past the first epoch of five rows"
+    for epoch in range(last):  # the rows the kill cut short were handed out again
+        got = sorted(i for e, i in after if e == epoch)
+        assert got == list(range(5)), f"epoch {epoch} skipped a row: {got}"
