@@ -300,6 +300,27 @@ def _add_db_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         )
 
 
+def _add_doctor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this installation (torch and its device, extras, vLLM/SGLang venvs, the "
+        "database, disk) and say how to fix what is missing",
+    )
+    doctor.add_argument(
+        "--database-url",
+        help="the database to check (default: RLGATEWAY_DATABASE_URL, else sqlite:///rlgateway.db)",
+    )
+    doctor.add_argument(
+        "--vllm-python",
+        help="the vLLM venv's interpreter (default: RLGATEWAY_VLLM_PYTHON, else the one "
+        ".ci/vllm-venv.sh makes, where it exists)",
+    )
+    doctor.add_argument(
+        "--sglang-python", help="the SGLang venv's interpreter (default: RLGATEWAY_SGLANG_PYTHON)"
+    )
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlgateway",
@@ -315,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(sub)
     _add_export_model_parser(sub)
     _add_db_parser(sub)
+    _add_doctor_parser(sub)
     return parser
 
 
@@ -374,6 +396,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from rlgateway.commands.db import run_db
 
             return run_db(args)
+        if args.command == "doctor":
+            from rlgateway.commands.doctor import run_doctor
+
+            return run_doctor(args)
     except CLIError as exc:
         print(f"rlgateway: error: {exc}", file=sys.stderr)
         return 2
