@@ -1,7 +1,9 @@
-"""The gateway's exception tree and its one translation to OpenAI-shaped HTTP errors.
+"""The gateway's exception tree and its one translation to HTTP errors.
 
 Routes raise these (or let engine/store errors through); `install_error_handlers` turns every one
-into `{"error": {"message", "type", "param", "code"}}` with the right status, at the edge only.
+into OpenAI's `{"error": {"message", "type", "param", "code"}}`, or on the Anthropic routes
+Anthropic's `{"type": "error", "error": {"type", "message"}}`, with the right status, at the edge
+only.
 Request schemas refuse what is wrong with a field's own value as a 422 (pydantic's check), and what
 only the request as a whole shows (text that is not UTF-8, a tool result with no call) as a 400,
 raising `invalid_input(...)` in a validator. Anything else that escapes a route, a bug, is a 500 in

@@ -3,6 +3,8 @@ demo's is what `rlgateway demo` really trains with, so none goes stale."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,8 @@ from rlgateway.demo.run import train_config
 from trainer.algorithms.config import PRESETS, algorithm_config
 from trainer.config import TrainConfig, load_config
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
 PLACED = {"run", "database_url", "model", "checkpoint_dir"}
 """Fields a command fills in itself (the demo from --out; train from the command line)."""
 
@@ -56,3 +59,21 @@ def test_the_separate_trainer_example_names_its_store_and_needs_a_run() -> None:
     assert cfg.database_url.startswith("postgresql://")
     assert isinstance(cfg, TrainConfig)
     assert load_config(CONFIGS / "separate-trainer.yaml").run == ""  # train refuses that
+
+
+def test_validating_every_config_imports_no_torch() -> None:
+    """A bad config fails before anything heavy loads: `rlgateway train --config` and `POST
+    /runs` validate without torch (the algorithm presets' names live in
+    `trainer/algorithms/kinds.py`; the tensor math loads on first use)."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from trainer.config import load_config\n"
+        f"for path in sorted(Path({str(CONFIGS)!r}).glob('*.yaml')):\n"
+        "    load_config(path, ['run=r']).algorithm_config()\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

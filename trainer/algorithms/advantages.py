@@ -17,11 +17,10 @@ All functions treat their inputs as constants (advantages carry no gradient); no
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 
-GroupMode = Literal["mean", "mean_std", "leave_one_out", "none"]
+from trainer.algorithms.kinds import GroupMode
 
 
 def group_index(group_ids: Sequence[str | None]) -> tuple[torch.Tensor, int]:

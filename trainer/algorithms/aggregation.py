@@ -25,11 +25,9 @@ GSPO and the seq modes then group by it.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum"]
+from trainer.algorithms.kinds import AggMode
 
 
 def check_bt_shapes(**tensors: torch.Tensor) -> None:

@@ -29,9 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainer.algorithms.advantages import GroupMode
-from trainer.algorithms.aggregation import AggMode
-from trainer.algorithms.losses import BehavWeightMode, ImportanceLevel, KLKind
+from trainer.algorithms.kinds import AggMode, BehavWeightMode, GroupMode, ImportanceLevel, KLKind
 
 
 class AlgorithmConfig(BaseModel):

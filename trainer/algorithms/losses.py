@@ -11,15 +11,12 @@ Losses are reduced by `aggregation.aggregate` (see there for `agg`, `normalizer`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
-from trainer.algorithms.aggregation import AggMode, aggregate, check_bt_shapes, per_sequence_sum
-
-KLKind = Literal["k1", "k2", "k3"]
-ImportanceLevel = Literal["token", "sequence"]
-BehavWeightMode = Literal["mask", "truncate", "icepop"]
+from trainer.algorithms.aggregation import aggregate, check_bt_shapes, per_sequence_sum
+from trainer.algorithms.kinds import AggMode, BehavWeightMode, ImportanceLevel, KLKind
 
 KL_CLAMP = 10.0
 """KL estimates are clamped to [-10, 10], as AReaL does."""

@@ -1,4 +1,4 @@
-"""The training-backend seam: what the training loop asks of FSDP (now) or Megatron (later).
+"""The training-backend seam: what the training loop asks of a backend (FSDP2, Megatron, Archon).
 
 A backend owns the policy's weights, optimizer and LR schedule, possibly sharded over many
 processes. Every rank calls every method with the same arguments (the full batch); the backend
