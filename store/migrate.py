@@ -62,6 +62,19 @@ async def current_revision(db: Database) -> str | None:
         return await conn.run_sync(_current)
 
 
+async def revisions(db: Database) -> tuple[str | None, str]:
+    """(the database's revision or None when empty, this installation's head); StoreError
+    when the server cannot be reached or the database is at a revision this rlgateway does not
+    know. Disposes of `db`'s connections."""
+    try:
+        await db.ping()
+        current = await current_revision(db)
+        check_known(current, db)
+        return current, head_revision()
+    finally:
+        await db.dispose()
+
+
 async def upgrade(db: Database, revision: str = "head") -> None:
     check_known(await current_revision(db), db)
     await _run(db, "upgrade", revision)

@@ -53,23 +53,22 @@ def run_db(args: argparse.Namespace) -> int:
 async def _command(db: Database, command: str) -> str:
     from store import migrate
 
-    try:
-        await db.ping()
-        head = migrate.head_revision()
-        if command == "upgrade":
+    if command == "current":
+        current, head = await migrate.revisions(db)
+        if current is None:
+            return "no schema yet (empty database): run `rlgateway db upgrade`"
+        if current == head:
+            return f"{current} (head)"
+        return f"{current} (head is {head}: run `rlgateway db upgrade`)"
+    if command == "upgrade":
+        try:
+            await db.ping()
+            head = migrate.head_revision()
             before = await migrate.current_revision(db)
             await migrate.upgrade(db)
-            if before == head:
-                return f"already at revision {head} (head)"
-            return f"upgraded from {before or 'an empty database'} to revision {head} (head)"
-        if command == "current":
-            current = await migrate.current_revision(db)
-            if current is None:
-                return "no schema yet (empty database): run `rlgateway db upgrade`"
-            if current == head:
-                return f"{current} (head)"
-            migrate.check_known(current, db)
-            return f"{current} (head is {head}: run `rlgateway db upgrade`)"
-        raise AssertionError(f"unhandled db command {command!r}")
-    finally:
-        await db.dispose()
+        finally:
+            await db.dispose()
+        if before == head:
+            return f"already at revision {head} (head)"
+        return f"upgraded from {before or 'an empty database'} to revision {head} (head)"
+    raise AssertionError(f"unhandled db command {command!r}")

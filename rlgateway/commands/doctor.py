@@ -20,12 +20,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from rlgateway.commands.db import database_url
-
-if TYPE_CHECKING:
-    from store.db import Database
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -155,7 +152,7 @@ def check_database(url: str, named: bool) -> Check:
     that does not exist yet is not created: `serve` and `db upgrade` create it."""
     from sqlalchemy.engine import make_url
 
-    from store import StoreError
+    from store import StoreError, migrate
     from store.db import Database, redact
 
     try:
@@ -170,7 +167,7 @@ def check_database(url: str, named: bool) -> Check:
         how = "rlgateway db upgrade" + (f" --database-url {shown}" if named else "")
         return Check("database", status, f"{shown}: no database file yet", how)
     try:
-        current, head = asyncio.run(_revisions(db))
+        current, head = asyncio.run(migrate.revisions(db))
     except StoreError as exc:
         return Check("database", "fail", str(exc), "fix the URL or start the server")
     if current is None:
@@ -180,18 +177,6 @@ def check_database(url: str, named: bool) -> Check:
             "database", "warn", f"{shown}: at {current}, head is {head}", "rlgateway db upgrade"
         )
     return Check("database", "ok", f"{shown}: at the migration head {head}")
-
-
-async def _revisions(db: Database) -> tuple[str | None, str]:
-    from store import migrate
-
-    try:
-        await db.ping()
-        current = await migrate.current_revision(db)
-        migrate.check_known(current, db)
-        return current, migrate.head_revision()
-    finally:
-        await db.dispose()
 
 
 def check_disk(paths: list[Path], min_free_gb: float = MIN_FREE_GB) -> Check:
@@ -222,11 +207,11 @@ def _importable(module: str) -> bool:
 
 def run_checks(args: argparse.Namespace) -> list[Check]:
     from engines.tiny_model import models_cache_dir
+    from engines.vllm_launch import default_vllm_python
 
     vllm = args.vllm_python or os.environ.get("RLGATEWAY_VLLM_PYTHON")
-    default_vllm = Path.home() / ".cache" / "rlgateway" / "vllm-venv" / "bin" / "python"
-    if vllm is None and default_vllm.is_file():
-        vllm = str(default_vllm)  # where .ci/vllm-venv.sh puts it
+    if vllm is None and default_vllm_python().is_file():
+        vllm = str(default_vllm_python())  # where .ci/vllm-venv.sh puts it
     sglang = args.sglang_python or os.environ.get("RLGATEWAY_SGLANG_PYTHON")
     named = bool(args.database_url or os.environ.get("RLGATEWAY_DATABASE_URL"))
     checks: list[Callable[[], Check]] = [

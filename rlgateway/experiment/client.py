@@ -28,10 +28,18 @@ class SessionHandle:
 
 
 class GatewayClient:
-    def __init__(self, url: str, admin_token: str, *, connections: int = 256) -> None:
+    def __init__(
+        self,
+        url: str,
+        admin_token: str,
+        *,
+        connections: int = 256,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.http = httpx.AsyncClient(
             base_url=self.url,
+            transport=transport,
             headers={"Authorization": f"Bearer {admin_token}"},
             timeout=httpx.Timeout(600.0, connect=30.0),
             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=64),
@@ -111,14 +119,16 @@ class GatewayClient:
         out: dict[str, Any] = r.json()
         return out
 
-    async def all_sessions(self, run_id: str) -> list[dict[str, Any]]:
-        """Every session of the run (summaries, with metadata, status and outcome)."""
+    async def all_sessions(self, run_id: str, status: str | None = None) -> list[dict[str, Any]]:
+        """Every session of the run (summaries, with metadata, status and outcome); with
+        `status` ("active" or "ended"), only those."""
         out: list[dict[str, Any]] = []
         offset: int | None = 0
         while offset is not None:
-            r = await self.http.get(
-                f"/runs/{run_id}/sessions", params={"limit": 500, "offset": offset}
-            )
+            params: dict[str, Any] = {"limit": 500, "offset": offset}
+            if status is not None:
+                params["status"] = status
+            r = await self.http.get(f"/runs/{run_id}/sessions", params=params)
             _check(r)
             page = r.json()
             out += page["sessions"]

