@@ -28,33 +28,17 @@ from trainer.backends.config import (
     BackendConfig,
     FSDPBackendConfig,
     MegatronBackendConfig,
+    OptimizerSettings,
     check_context_attention,
     check_implemented,
 )
 from trainer.parallel.strategy import parse_allocation
 
 
-class OptimConfig(BaseModel):
-    """Optimizer and backend settings (the model directory comes from `TrainConfig.model`)."""
+class OptimConfig(OptimizerSettings):
+    """Optimizer and backend settings (the model directory comes from `TrainConfig.model`): the
+    optimizer's, declared once in `OptimizerSettings`, and the attention kernel."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    lr: float = Field(1e-5, ge=0)
-    """Peak AdamW learning rate; 0 trains nothing (a control run)."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW decoupled weight decay."""
-    grad_clip: float = Field(1.0, ge=0)
-    """Global gradient-norm clip; 0 disables it."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear warmup steps."""
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """LR schedule after warmup (decays over `max_steps`)."""
-    mixed_precision: Literal["fp32", "bf16"] = "fp32"
-    """bf16 compute with fp32 master weights where the device supports it."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
-    seed: int = 0
-    """Seed of torch's RNG in every rank."""
     attention: Literal["varlen", "sdpa", "eager", "flash_attention_2"] = "varlen"
     """Attention kernel inside packed rows; varlen costs per sequence, sdpa/eager per row."""
 
@@ -289,16 +273,9 @@ class TrainConfig(RunConfig):
         o = self.optim
         allocation = parse_allocation(self.backend)
         settings: dict[str, Any] = dict(
+            **o.model_dump(include=set(OptimizerSettings.model_fields)),
             model_dir=model_dir,
-            lr=max(o.lr, 1e-30),  # lr 0 is a control run: AdamW with a vanishing step
-            weight_decay=o.weight_decay,
-            grad_clip=o.grad_clip,
-            warmup_steps=o.warmup_steps,
             total_steps=max(self.max_steps, o.warmup_steps, 1),
-            schedule=o.schedule,
-            mixed_precision=o.mixed_precision,
-            gradient_checkpointing=o.gradient_checkpointing,
-            seed=o.seed,
             allocation=allocation,
         )
         if allocation.backend == "megatron":

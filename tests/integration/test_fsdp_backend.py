@@ -146,6 +146,32 @@ def test_two_processes_train_the_same_weights_as_one(
         torch.testing.assert_close(torch.tensor(theirs), torch.tensor(ours), atol=1e-5, rtol=0)
 
 
+def test_a_zero_learning_rate_trains_nothing(tiny_model: Path) -> None:
+    # `optim.lr=0` is the no-train control of an experiment: its steps run (losses, gradient
+    # norms) and every weight stays exactly as it was; a positive rate moves them.
+    seqs = make_sequences()
+    norm = float(sum(s.num_loss_tokens for s in seqs))
+    moved = {}
+    for lr in (0.0, 1e-3):
+        backend = build_backend_from_config(
+            FSDPBackendConfig(model_dir=str(tiny_model), lr=lr, weight_decay=0.1)
+        )
+        before = {k: v.clone() for k, v in backend.full_state_dict().items()}
+        stats = backend.train_step(
+            seqs,
+            fsdp_worker.policy_gradient_loss,
+            temperature=TEMPERATURE,
+            token_budget=TOKEN_BUDGET,
+            global_norm=norm,
+        )
+        assert stats["grad_norm"] > 0
+        assert stats["lr"] == lr
+        after = backend.full_state_dict()
+        moved[lr] = max_abs_diff(before, after)
+    assert moved[0.0] == 0.0, moved
+    assert moved[1e-3] > 1e-4, moved
+
+
 def test_build_backend_from_config(tiny_model: Path) -> None:
     config = FSDPBackendConfig(model_dir=str(tiny_model), lr=1e-5, schedule="linear", total_steps=9)
     backend = build_backend_from_config(config)

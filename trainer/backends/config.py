@@ -63,7 +63,37 @@ def check_context_attention(allocation: Allocation, attention: str) -> None:
         )
 
 
-class _BackendSettings(BaseModel):
+class OptimizerSettings(BaseModel):
+    """The optimizer, learning-rate schedule and precision settings, declared once: a run
+    config's `optim` (`trainer.config.OptimConfig`) and every backend's config inherit them, and
+    the backends' constructors take their defaults from `OPTIMIZER_DEFAULTS`."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    lr: float = Field(1e-5, ge=0)
+    """Peak AdamW learning rate; 0 trains nothing (a control run: every update is zero)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """LR schedule after warmup (`linear`/`cosine` decay to 0 over the run's steps)."""
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    """fp32, or bf16 parameters and compute with fp32 master weights and gradient reduction
+    where the device supports it."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    seed: int = 0
+    """Seed of torch's global RNG in every rank."""
+
+
+OPTIMIZER_DEFAULTS = OptimizerSettings()
+"""The defaults of every optimizer setting, where a constructor needs them as values."""
+
+
+class _BackendSettings(OptimizerSettings):
     """The settings every backend shares: `FSDPBackend`'s constructor arguments."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -72,24 +102,8 @@ class _BackendSettings(BaseModel):
     """Backend kind (each backend's config fixes it)."""
     model_dir: str
     """Hugging Face model directory of the initial policy."""
-    lr: float = Field(1e-6, gt=0)
-    """Peak AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW decoupled weight decay."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this; 0 disables clipping."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear warmup steps."""
     total_steps: int = Field(1, ge=1)
     """Steps over which `linear`/`cosine` decay the LR to 0."""
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """LR schedule after warmup."""
-    mixed_precision: Literal["fp32", "bf16"] = "fp32"
-    """fp32, or bf16 parameters and compute with fp32 master weights and gradient reduction."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
-    seed: int = 0
-    """Seed of torch's global RNG in every rank."""
 
     allocation: Allocation = DATA_PARALLEL
     """The backend and its parallel strategy (a string such as `fsdp`, `fsdp:d4`, `fsdp:d2t2`,

@@ -70,7 +70,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from engines.base import TensorMeta
 from trainer.backends.base import EntropyMode, LossFn
-from trainer.backends.config import DATA_PARALLEL, check_context_attention, check_implemented
+from trainer.backends.config import (
+    DATA_PARALLEL,
+    OPTIMIZER_DEFAULTS,
+    check_context_attention,
+    check_implemented,
+)
 from trainer.backends.update import (
     LRSchedule,
     Schedule,
@@ -180,24 +185,24 @@ class FSDPBackend:
         self,
         model_dir: str | Path,
         *,
-        lr: float = 1e-6,
-        weight_decay: float = 0.0,
+        lr: float = OPTIMIZER_DEFAULTS.lr,
+        weight_decay: float = OPTIMIZER_DEFAULTS.weight_decay,
         betas: tuple[float, float] = (0.9, 0.999),
-        grad_clip: float = 1.0,
-        warmup_steps: int = 0,
+        grad_clip: float = OPTIMIZER_DEFAULTS.grad_clip,
+        warmup_steps: int = OPTIMIZER_DEFAULTS.warmup_steps,
         total_steps: int = 1,
-        schedule: Schedule = "constant",
-        mixed_precision: MixedPrecision = "fp32",
-        gradient_checkpointing: bool = False,
-        seed: int = 0,
+        schedule: Schedule = OPTIMIZER_DEFAULTS.schedule,
+        mixed_precision: MixedPrecision = OPTIMIZER_DEFAULTS.mixed_precision,
+        gradient_checkpointing: bool = OPTIMIZER_DEFAULTS.gradient_checkpointing,
+        seed: int = OPTIMIZER_DEFAULTS.seed,
         attention: Attention = "varlen",
         allocation: Allocation = DATA_PARALLEL,
     ) -> None:
         from transformers import AutoConfig
         from transformers.utils import logging as hf_logging
 
-        if lr <= 0 or total_steps < 1 or warmup_steps < 0:
-            raise ValueError("lr must be positive, total_steps >= 1 and warmup_steps >= 0")
+        if lr < 0 or total_steps < 1 or warmup_steps < 0:
+            raise ValueError("lr must be at least 0, total_steps >= 1 and warmup_steps >= 0")
         if mixed_precision not in ("fp32", "bf16"):
             raise ValueError(f"mixed_precision must be fp32 or bf16, not {mixed_precision!r}")
         cuda = torch.cuda.is_available()

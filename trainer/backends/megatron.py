@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from engines.base import TensorMeta
 from trainer.backends.base import EntropyMode, LossFn
-from trainer.backends.config import check_implemented
+from trainer.backends.config import OPTIMIZER_DEFAULTS, check_implemented
 from trainer.backends.fsdp import MixedPrecision, init_distributed
 from trainer.backends.update import (
     STATE_FILE,
@@ -145,16 +145,16 @@ class MegatronBackend:
         self,
         model_dir: str | Path,
         *,
-        lr: float = 1e-6,
-        weight_decay: float = 0.0,
+        lr: float = OPTIMIZER_DEFAULTS.lr,
+        weight_decay: float = OPTIMIZER_DEFAULTS.weight_decay,
         betas: tuple[float, float] = (0.9, 0.999),
-        grad_clip: float = 1.0,
-        warmup_steps: int = 0,
+        grad_clip: float = OPTIMIZER_DEFAULTS.grad_clip,
+        warmup_steps: int = OPTIMIZER_DEFAULTS.warmup_steps,
         total_steps: int = 1,
-        schedule: Schedule = "constant",
-        mixed_precision: MixedPrecision = "fp32",
-        gradient_checkpointing: bool = False,
-        seed: int = 0,
+        schedule: Schedule = OPTIMIZER_DEFAULTS.schedule,
+        mixed_precision: MixedPrecision = OPTIMIZER_DEFAULTS.mixed_precision,
+        gradient_checkpointing: bool = OPTIMIZER_DEFAULTS.gradient_checkpointing,
+        seed: int = OPTIMIZER_DEFAULTS.seed,
         allocation: Allocation = MEGATRON,
     ) -> None:
         from transformers import AutoConfig
@@ -162,8 +162,8 @@ class MegatronBackend:
         core = import_megatron()
         from megatron.core import parallel_state
 
-        if lr <= 0 or total_steps < 1 or warmup_steps < 0:
-            raise ValueError("lr must be positive, total_steps >= 1 and warmup_steps >= 0")
+        if lr < 0 or total_steps < 1 or warmup_steps < 0:
+            raise ValueError("lr must be at least 0, total_steps >= 1 and warmup_steps >= 0")
         if mixed_precision != "fp32":
             raise ValueError(
                 f"the megatron backend trains in fp32; mixed_precision {mixed_precision!r} is not "
