@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlgateway.experiment.runner import Experiment
-from tests.integration.test_experiment import metrics, write_spec
+from tests.support.experiment import metrics, write_spec
 
 pytestmark = pytest.mark.slow
 
