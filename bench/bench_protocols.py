@@ -79,10 +79,10 @@ async def cpu_per_request(sessions: list[dict[str, Any]], send: Send) -> float:
 
 async def main(requests: int, tokens: int, repeat: int) -> None:
     from engines.tiny_model import load_tokenizer, tiny_model_dir
+    from gateway.core.sampling import Asked
+    from gateway.core.turn_types import ChatPrompt, ToolChoice, TurnSpec
     from gateway.deps import Components
-    from gateway.sampling import Asked
     from gateway.settings import GatewaySettings
-    from gateway.turn_types import ChatPrompt, ToolChoice, TurnSpec
     from rlgateway.app import create_app
     from store import Store
     from tests.support.replay_engine import ReplayEngine

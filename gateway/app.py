@@ -1,4 +1,5 @@
-"""The FastAPI application: wiring only. Routes live in `gateway/routes/`, one module per resource.
+"""The FastAPI application: wiring only. Routes live in `gateway/routes/`, one module per
+resource, and in each protocol's package (`gateway/protocols/*/routes.py`).
 
 `create_app(settings)` builds the engine, store and tokenizer in its lifespan (what `rlgateway
 serve` does) and loads the store's newest published policy into the engine before it serves
@@ -95,20 +96,21 @@ def create_app(
     `check_run_config` validates `POST /runs` configs; `sidecars` run for the app's lifetime."""
     from contextlib import AsyncExitStack
 
+    from gateway.protocols.anthropic import routes as messages
+    from gateway.protocols.openai import routes as openai
+    from gateway.protocols.responses import routes as responses
     from gateway.routes import (
         admin,
         engines,
         export,
-        messages,
-        openai,
         prometheus,
-        responses,
         run_sessions,
         runs,
         sessions,
         training,
         ui,
     )
+    from gateway.routes.generate import mount_protocol
 
     metrics = GatewayMetrics()
 
@@ -140,9 +142,8 @@ def create_app(
         redoc_url=None,
     )
     install_error_handlers(app)
-    app.include_router(openai.router)
-    app.include_router(responses.router)
-    app.include_router(messages.router)
+    for protocol in (openai, responses, messages):
+        mount_protocol(app, protocol.router)
     app.include_router(runs.router)
     app.include_router(sessions.router)
     app.include_router(admin.router)

@@ -16,19 +16,19 @@ from fastapi import Depends, Request
 from engines.base import Engine
 from gateway.admission import Admission
 from gateway.auth import SessionDirectory
-from gateway.chat import ChatService
-from gateway.chat_render import ChatRenderer
-from gateway.completions import CompletionService
-from gateway.kept_responses import KeptResponses
-from gateway.messages import MessagesService
+from gateway.core.chat_render import ChatRenderer
+from gateway.core.recorder import Recorder
+from gateway.core.segments import SegmentTracker
+from gateway.core.turn import TurnCore
+from gateway.core.turn_types import Parsers
 from gateway.metrics import GatewayMetrics
-from gateway.recorder import Recorder
-from gateway.responses import ResponsesService
+from gateway.protocols.anthropic.adapter import MessagesService
+from gateway.protocols.openai.chat import ChatService
+from gateway.protocols.openai.completions import CompletionService
+from gateway.protocols.responses.adapter import ResponsesService
+from gateway.protocols.responses.kept import KeptResponses
 from gateway.run_configs import RunConfigs
-from gateway.segments import SegmentTracker
 from gateway.settings import GatewaySettings
-from gateway.turn import TurnCore
-from gateway.turn_types import Parsers
 from store import Store
 
 RunConfigCheck = Callable[[dict[str, Any]], None]
@@ -91,8 +91,8 @@ class Gateway:
 
 def parsers_of(settings: GatewaySettings, tokenizer: Any) -> Parsers:
     """The model family's parsers: from the settings, or (auto) from its chat template."""
-    from gateway.reasoning_parsers import build_reasoning_parser
-    from gateway.tool_parsers import build_tool_parser
+    from gateway.core.reasoning_parsers import build_reasoning_parser
+    from gateway.core.tool_parsers import build_tool_parser
 
     template = str(getattr(tokenizer, "chat_template", None) or "")
     return Parsers(

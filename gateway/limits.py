@@ -13,16 +13,25 @@ the range of integers, and JSON text that can be tokenized, stored and written b
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import HTTPException
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, Field, Strict, model_validator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import PayloadTooLarge, error_response, invalid_input
 
 MAX_INT32 = 2**31 - 1
 """Integers in requests that reach the store's INTEGER columns or an engine stay within this."""
+
+Int = Annotated[int, Strict()]
+"""An integer, not a boolean, float or string (every protocol's schemas use these)."""
+Num = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+"""A finite number (an integer is one), not a boolean or string."""
+TokenCount = Annotated[int, Strict(), Field(ge=1, le=MAX_INT32)]
+"""A count of tokens: 1 to 2^31-1."""
+TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_INT32)]
+"""A token id: 0 to 2^31-1 (`check_vocab` holds it to the model's vocabulary)."""
 
 MAX_GENERATIONS = 16
 """Completions one request may ask for: `n`, and prompts x `n` for a list of prompts."""

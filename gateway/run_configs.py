@@ -1,6 +1,6 @@
 """The run-owned settings (`store.run_config.RunConfig`) of the runs the gateway serves, cached.
 
-Every recorded request samples under its run's config (`gateway.sampling`), so the config must
+Every recorded request samples under its run's config (`gateway.core.sampling`), so the config must
 not cost a query per request: `RunConfigs.of` keeps each run's for `ttl` seconds (5 by default)
 and loads it once however many requests ask at the same moment. Nothing in this gateway changes
 a stored run config (`POST /runs` sets it when it creates the run; no route changes it), so the

@@ -59,16 +59,16 @@ class GatewaySettings(BaseSettings):
 
     tool_parser: str = "auto"
     """How tool calls are read out of replies: hermes (Qwen2.5's `<tool_call>` JSON),
-    qwen3_coder, llama3_json or mistral (`gateway.tool_parsers`); auto: the chat template's own
+    qwen3_coder, llama3_json or mistral (`gateway.core.tool_parsers`); auto: the chat template's own
     format."""
     reasoning_parser: str = "auto"
     """How reasoning is split off replies: think (`<think>...</think>`) or none
-    (`gateway.reasoning_parsers`); auto: think when the chat template writes `<think>`."""
+    (`gateway.core.reasoning_parsers`); auto: think when the chat template writes `<think>`."""
 
     @field_validator("tool_parser")
     @classmethod
     def _known_tool_parser(cls, name: str) -> str:
-        from gateway.tool_parsers import TOOL_PARSERS
+        from gateway.core.tool_parsers import TOOL_PARSERS
 
         if name != "auto" and name not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser {name!r}: use auto, {', '.join(TOOL_PARSERS)}")
@@ -77,7 +77,7 @@ class GatewaySettings(BaseSettings):
     @field_validator("reasoning_parser")
     @classmethod
     def _known_reasoning_parser(cls, name: str) -> str:
-        from gateway.reasoning_parsers import REASONING_PARSERS
+        from gateway.core.reasoning_parsers import REASONING_PARSERS
 
         if name not in ("auto", "none", *REASONING_PARSERS):
             known = ", ".join(REASONING_PARSERS)

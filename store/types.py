@@ -162,7 +162,8 @@ class KeptTurn:
     session_id: str
     status: TurnStatus
     request: JSON
-    """The request body it answered (with the gateway's own part, `gateway.turn.RECORD_KEY`)."""
+    """The request body it answered (with the gateway's own part,
+    `gateway.core.turn.RECORD_KEY`)."""
     response: JSON
     """Its response JSON, in its protocol."""
 

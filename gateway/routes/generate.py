@@ -2,7 +2,7 @@
 
 A request runs only while its client is connected (a client that disconnects or times out aborts
 its generation, recorded as aborted), and a retried non-streaming request of a session yields one
-turn (`gateway.attempts`: an `Idempotency-Key`, or the openai and anthropic SDKs'
+turn (`gateway.core.attempts`: an `Idempotency-Key`, or the openai and anthropic SDKs'
 `x-stainless-retry-count`). A replayed answer carries `Idempotent-Replayed: true`. Every answer
 says which sampling contract it was sampled under in `x-rlgateway-sampling` (`record` or `run`),
 and an answer of a run that caps turns at its `max_tokens` N says `x-rlgateway-max-tokens:
@@ -15,18 +15,18 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
-from fastapi import Request
+from fastapi import APIRouter, Depends, FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.attempts import Key
 from gateway.auth import require_active, resolve
-from gateway.choices import EventStream
+from gateway.core.attempts import Key
+from gateway.core.choices import EventStream
+from gateway.core.sampling import contract_of, max_tokens_cap
 from gateway.deps import Gateway
 from gateway.errors import BadRequest, error_docs
-from gateway.sampling import contract_of, max_tokens_cap
 from store.run_config import MAX_TOKENS_HEADER, SAMPLING_HEADER, RunConfig
 
 T = TypeVar("T")
@@ -46,6 +46,34 @@ GENERATE_DOC: dict[int | str, dict[str, Any]] = {
     },
     **error_docs(400, 401, 404, 409, 413, 422, 429, 500, 503),
 }
+
+
+SESSION_PREFIX = "/sessions/{session_id}"
+"""Where each protocol's routes are mounted a second time: the session rides in the path."""
+
+
+def session_of(request: Request) -> str | None:
+    """The session a protocol route was called in: the `{session_id}` of its path under
+    `SESSION_PREFIX`, else None (the API key then says which session, if any)."""
+    return request.path_params.get("session_id")
+
+
+def _session_path(
+    session_id: Annotated[str, Path(description="The session the request is recorded into.")],
+) -> None:
+    """Declares the session mount's path parameter (for validation and the API document)."""
+
+
+def mount_protocol(app: FastAPI, router: APIRouter) -> None:
+    """A protocol's routes at `/v1/...` and again under `/sessions/{session_id}`: one handler
+    per operation, which reads the session from the path with `session_of`."""
+    app.include_router(router)
+    app.include_router(
+        router,
+        prefix=SESSION_PREFIX,
+        dependencies=[Depends(_session_path)],
+        responses=error_docs(404, 422),
+    )
 
 
 class _EventStreamResponse(StreamingResponse):

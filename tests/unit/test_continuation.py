@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from engines.tiny_model import load_tokenizer
-from gateway.chat_render import ChatRenderer
+from gateway.core.chat_render import ChatRenderer
 
 QWEN3_LIKE = (Path(__file__).parents[1] / "support" / "qwen3_like.jinja").read_text()
 Q1 = {"role": "user", "content": "Q1"}

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engines.tiny_model import load_tokenizer, tiny_model_dir
-from gateway.detok import IncrementalDecoder
+from gateway.core.detok import IncrementalDecoder
 
 
 @pytest.fixture(scope="module")

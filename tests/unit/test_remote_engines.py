@@ -9,7 +9,7 @@ from engines.base import FinishReason, GenerateRequest
 from engines.router import default_session_of
 from engines.sglang import _piece as sglang_piece
 from engines.vllm import _completion_piece, _generate_piece, parse_load
-from gateway.turn import choice_requests
+from gateway.core.turn import choice_requests
 from rlgateway.cli import main
 
 METRICS = """\

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from gateway.chat import chat_spec
-from gateway.openai_types import ChatCompletionRequest
-from gateway.sampling import record_of, sampling_params
+from gateway.core.sampling import record_of, sampling_params
+from gateway.protocols.openai.chat import chat_spec
+from gateway.protocols.openai.types import ChatCompletionRequest
 from store.run_config import RunConfig, reproducible_temperature
 
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.tool_parsers import (
+from gateway.core.tool_parsers import (
     TOOL_PARSERS,
     HermesParser,
     Llama3JsonParser,
@@ -363,7 +363,7 @@ def test_an_unknown_parser_name_is_refused_naming_the_known_ones() -> None:
 
 def test_the_module_imports_no_torch() -> None:
     code = (
-        "import sys, gateway.tool_parsers\n"
+        "import sys, gateway.core.tool_parsers\n"
         "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     )
     done = subprocess.run(

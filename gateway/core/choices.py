@@ -3,23 +3,22 @@ the exact sampled ids, behaviour logprobs and versions (truncated where a stop s
 
 `RunGroup` drives a request's choices together. A stream starts it and waits for the first piece
 (`start`) before it answers, so a failure before any token (the engine unavailable, a request it
-refuses) is an HTTP error; a failure after it is an SSE error event (`sse_error`), as OpenAI and
-vLLM send it.
+refuses) is an HTTP error; a failure after it is the protocol's error event (OpenAI's:
+`gateway.protocols.openai.sse.sse_error`), as OpenAI and vLLM send it. The protocols format the
+choices (logprob entries, events); nothing here knows a wire format.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import GenerateRequest, TokenChunk
-from gateway.detok import IncrementalDecoder
-from gateway.errors import error_body, translate
+from gateway.core.detok import IncrementalDecoder
 
 
 @dataclass(eq=False, slots=True)
@@ -78,35 +77,6 @@ class ChoiceRun:
         if self.first_token_at is None:
             return None
         return (self.first_token_at - self.started) * 1000
-
-
-def sse_chunk(
-    obj: str,
-    *,
-    id: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    usage: dict[str, int] | None = None,
-) -> str:
-    """One server-sent event of an OpenAI stream (`chat.completion.chunk`, `text_completion`)."""
-    body: dict[str, Any] = {
-        "id": id,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if usage is not None:
-        body["usage"] = usage
-    return f"data: {json.dumps(body)}\n\n"
-
-
-def sse_error(exc: Exception) -> str:
-    """The server-sent event of a stream that failed after it began: `{"error": {...}}` in
-    OpenAI's shape (the SDK raises it as an APIError)."""
-    err = translate(exc)
-    return f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,46 +194,3 @@ class TokenPieces:
                     raw = [self._bytes_of[ch] for ch in piece]
             hit = self._cache[token_id] = (text, raw)
         return hit
-
-
-def chat_logprobs(
-    pieces: TokenPieces,
-    ids: list[int],
-    logprobs: list[float],
-    tops: list[tuple[tuple[int, float], ...]],
-) -> list[dict[str, Any]]:
-    """OpenAI chat `logprobs.content` entries for sampled tokens."""
-    out = []
-    for i, (tok, lp) in enumerate(zip(ids, logprobs, strict=True)):
-        text, raw = pieces(tok)
-        alternatives = []
-        for alt, alt_lp in tops[i] if i < len(tops) else ():
-            alt_text, alt_raw = pieces(alt)
-            alternatives.append({"token": alt_text, "logprob": alt_lp, "bytes": alt_raw})
-        out.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alternatives})
-    return out
-
-
-def completion_logprobs(
-    pieces: TokenPieces,
-    ids: list[int],
-    logprobs: list[float],
-    tops: list[tuple[tuple[int, float], ...]],
-    offset: int = 0,
-) -> dict[str, Any]:
-    """OpenAI legacy completions `logprobs` for sampled tokens."""
-    tokens, offsets, top = [], [], []
-    pos = offset
-    for i, tok in enumerate(ids):
-        text, _ = pieces(tok)
-        tokens.append(text)
-        offsets.append(pos)
-        pos += len(text)
-        if i < len(tops):
-            top.append({pieces(a)[0]: lp for a, lp in tops[i]})
-    return {
-        "tokens": tokens,
-        "token_logprobs": list(logprobs),
-        "top_logprobs": top or None,
-        "text_offset": offsets,
-    }

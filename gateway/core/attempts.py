@@ -10,7 +10,7 @@ request. Under one key (within one session):
 - an attempt that answered: a retry gets the same response again (replayed);
 - an attempt that did not answer (its client went away, or it failed): a retry runs anew. Its
   aborted turn is not trained (`store.trajectories`), and the new turn takes its place in the
-  segment (`gateway.segments`).
+  segment (`gateway.core.segments`).
 
 The ledger lives in the gateway's memory (bounded, answered attempts kept `ttl_s`): after a
 restart a retry runs anew, and the segment rules keep the session whole.

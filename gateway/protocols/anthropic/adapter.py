@@ -1,4 +1,4 @@
-"""Anthropic's `/v1/messages` on the turn core (`gateway.turn`): a Messages request to a
+"""Anthropic's `/v1/messages` on the turn core (`gateway.core.turn`): a Messages request to a
 `TurnSpec`, and a turn's choice to a `message` object or its documented event stream.
 
 The stream is `message_start`, `ping`, then per content block `content_block_start`,
@@ -16,9 +16,14 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.choices import EventStream
+from gateway.core.choices import EventStream
+from gateway.core.reasoning_parsers import seal_reasoning
+from gateway.core.sampling import Asked
+from gateway.core.turn import TurnCore
+from gateway.core.turn_run import Turn
+from gateway.core.turn_types import ChatPrompt, Choice, TurnSpec, parse_arguments
 from gateway.errors import anthropic_error_body, translate
-from gateway.messages_types import (
+from gateway.protocols.anthropic.types import (
     CountTokensRequest,
     MessagesRequest,
     neutral_messages,
@@ -26,11 +31,6 @@ from gateway.messages_types import (
     tool_use_id,
     tools_of,
 )
-from gateway.responses_types import seal_reasoning
-from gateway.sampling import Asked
-from gateway.turn import TurnCore
-from gateway.turn_run import Turn
-from gateway.turn_types import ChatPrompt, Choice, TurnSpec, parse_arguments
 from store.run_config import RunConfig
 from store.types import JSON
 
@@ -136,7 +136,7 @@ def message(turn: Turn, c: Choice) -> JSON:
         "id": turn.id,
         "type": "message",
         "role": "assistant",
-        "model": turn.core.model_name,
+        "model": turn.context.model_name,
         "content": _blocks(c),
         "stop_reason": _stop_reason(c),
         "stop_sequence": c.stop_string if _stop_reason(c) == "stop_sequence" else None,
@@ -191,7 +191,7 @@ async def _stream(turn: Turn) -> AsyncIterator[str]:
         "id": turn.id,
         "type": "message",
         "role": "assistant",
-        "model": turn.core.model_name,
+        "model": turn.context.model_name,
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,

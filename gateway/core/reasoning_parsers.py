@@ -11,8 +11,9 @@ what was sampled); it is only split off the reply's text, which the protocols ha
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +81,23 @@ def build_reasoning_parser(name: str, chat_template: str) -> ReasoningParser | N
         known = ", ".join(["auto", "none", *REASONING_PARSERS])
         raise ValueError(f"unknown reasoning parser {name!r}: use one of {known}")
     return cls()
+
+
+SEAL = "rlg1."
+"""The prefix of the gateway's own `encrypted_content`."""
+
+
+def seal_reasoning(text: str) -> str:
+    """A reasoning item's `encrypted_content`: opaque to the client, the reasoning text exactly to
+    the gateway (the item's visible text is whatever the client chooses to send back)."""
+    return SEAL + base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def unseal_reasoning(sealed: Any) -> str | None:
+    """The reasoning text of an `encrypted_content` the gateway sealed, else None."""
+    if not isinstance(sealed, str) or not sealed.startswith(SEAL):
+        return None
+    try:
+        return base64.urlsafe_b64decode(sealed.removeprefix(SEAL)).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None

@@ -8,14 +8,44 @@ stream began ends it with an SSE error event and `[DONE]`, the turn recorded as 
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from gateway.choices import sse_chunk, sse_error
-from gateway.turn_run import Turn
-from gateway.turn_types import Choice, Delta
+from gateway.core.turn_run import Turn
+from gateway.core.turn_types import Choice, Delta
+from gateway.errors import error_body, translate
 
 DONE = "data: [DONE]\n\n"
+
+
+def sse_chunk(
+    obj: str,
+    *,
+    id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, int] | None = None,
+) -> str:
+    """One server-sent event of an OpenAI stream (`chat.completion.chunk`, `text_completion`)."""
+    body: dict[str, Any] = {
+        "id": id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    """The server-sent event of a stream that failed after it began: `{"error": {...}}` in
+    OpenAI's shape (the SDK raises it as an APIError)."""
+    err = translate(exc)
+    return f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
 
 
 def usage_of(turn: Turn) -> dict[str, int]:
@@ -44,7 +74,7 @@ async def sse_stream(
             obj,
             id=turn.id,
             created=turn.created,
-            model=turn.core.model_name,
+            model=turn.context.model_name,
             choices=choices,
             usage=usage,
         )

@@ -1,16 +1,16 @@
-"""`/v1/responses` on the turn core (`gateway.turn`): a Responses request to a `TurnSpec`, and a
-turn's choice to a `response` object or its documented event stream.
+"""`/v1/responses` on the turn core (`gateway.core.turn`): a Responses request to a `TurnSpec`,
+and a turn's choice to a `response` object or its documented event stream.
 
-`previous_response_id` continues the conversation of a kept response (`gateway.kept_responses`):
-its messages come first, so the request extends the same segment token for token, exactly as a
-client that sends the whole history again (`store: false`) does. The stream is
-`response.created`, `response.in_progress`, then per output item `response.output_item.added`,
-(for a message) `response.content_part.added`, `response.output_text.delta`...,
-`response.output_text.done`, `response.content_part.done`, (for a function call)
-`response.function_call_arguments.delta` and `.done`, then `response.output_item.done`, and last
-`response.completed` (`response.incomplete` when it stopped at `max_output_tokens`), or
-`response.failed` when the engine fails after the stream began. Every event carries its
-`sequence_number`.
+`previous_response_id` continues the conversation of a kept response
+(`gateway.protocols.responses.kept`): its messages come first, so the request extends the same
+segment token for token, exactly as a client that sends the whole history again (`store: false`)
+does. The stream is `response.created`, `response.in_progress`, then per output item
+`response.output_item.added`, (for a message) `response.content_part.added`,
+`response.output_text.delta`..., `response.output_text.done`, `response.content_part.done`, (for a
+function call) `response.function_call_arguments.delta` and `.done`, then
+`response.output_item.done`, and last `response.completed` (`response.incomplete` when it stopped at
+`max_output_tokens`), or `response.failed` when the engine fails after the stream began. Every event
+carries its `sequence_number`.
 """
 
 from __future__ import annotations
@@ -21,20 +21,26 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from gateway.choices import ChoiceRun, EventStream, chat_logprobs
+from gateway.core.choices import ChoiceRun, EventStream
+from gateway.core.reasoning_parsers import seal_reasoning
+from gateway.core.sampling import Asked
+from gateway.core.turn import TurnCore
+from gateway.core.turn_run import Turn
+from gateway.core.turn_types import ChatPrompt, Choice, TurnSpec
 from gateway.errors import BadRequest, NotFound, translate
-from gateway.kept_responses import KeptResponse, KeptResponses, conversation_of, open_calls_of
-from gateway.responses_types import (
+from gateway.protocols.common import chat_logprobs
+from gateway.protocols.responses.kept import (
+    KeptResponse,
+    KeptResponses,
+    conversation_of,
+    open_calls_of,
+)
+from gateway.protocols.responses.types import (
     ResponsesRequest,
     input_messages,
-    seal_reasoning,
     tool_choice_of,
     tools_of,
 )
-from gateway.sampling import Asked
-from gateway.turn import TurnCore
-from gateway.turn_run import Turn
-from gateway.turn_types import ChatPrompt, Choice, TurnSpec
 from store.run_config import RunConfig
 from store.types import JSON
 
@@ -315,7 +321,7 @@ class _Shape:
         if not self.with_logprobs:
             return []
         return chat_logprobs(
-            turn.core.pieces, run.ids[lo:hi], run.logprobs[lo:hi], run.top_logprobs[lo:hi]
+            turn.context.pieces, run.ids[lo:hi], run.logprobs[lo:hi], run.top_logprobs[lo:hi]
         )
 
     def envelope(self, turn: Turn, status: str, output: list[JSON]) -> JSON:
@@ -329,7 +335,7 @@ class _Shape:
             "incomplete_details": None,
             "instructions": b.instructions,
             "max_output_tokens": b.max_output_tokens,
-            "model": turn.core.model_name,
+            "model": turn.context.model_name,
             "output": output,
             "parallel_tool_calls": True if b.parallel_tool_calls is None else b.parallel_tool_calls,
             "previous_response_id": b.previous_response_id,

@@ -12,21 +12,14 @@ what needs several fields is checked here too (prompts x n, tool results answer 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Self
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from engines.base import MAX_TOP_LOGPROBS
+from gateway.core.sampling import Asked
 from gateway.errors import BadRequest, invalid_input
-from gateway.limits import MAX_GENERATIONS, MAX_INT32, CheckedBody
-from gateway.sampling import Asked
-
-Int = Annotated[int, Strict()]
-"""An integer, not a boolean, float or string."""
-Num = Annotated[float, Strict(), Field(allow_inf_nan=False)]
-"""A finite number (an integer is one), not a boolean or string."""
-TokenCount = Annotated[int, Strict(), Field(ge=1, le=MAX_INT32)]
-TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_INT32)]
+from gateway.limits import MAX_GENERATIONS, MAX_INT32, CheckedBody, Int, Num, TokenCount, TokenId
 
 
 class _Open(BaseModel):
@@ -104,7 +97,7 @@ class _Sampling(_Open, CheckedBody):
         return [s for s in stops if s]
 
     def asked(self, max_new_tokens: int | None, top_logprobs: int) -> Asked:
-        """The sampling this request asks for (`gateway.sampling`)."""
+        """The sampling this request asks for (`gateway.core.sampling`)."""
         return Asked(
             temperature=self.temperature,
             top_p=self.top_p,

@@ -1,15 +1,15 @@
 """The protocol-neutral turn: what every generation route shares.
 
 One turn is neutral prompts (chat messages with tools, or token ids) and sampling settings in; it
-renders each prompt (or continues the session's segment it extends, `gateway.segments`), plans
-where each choice is recorded, generates n choices per prompt, parses tool calls, commits, and
-hands out neutral `Choice`s (or, streaming, `Delta`s as tokens arrive). The protocol modules
-(`gateway.chat`, `gateway.completions`, `gateway.responses`, `gateway.messages`) are adapters on
-it: a request to a `TurnSpec`, and a turn's choices or deltas to their response JSON and events.
-Because all of them record the same neutral transcript, one session can switch protocol and keep
-its token-exact continuation wherever the histories agree. This module starts a turn (plans its
-prompts, starts its choices); `gateway.turn_run.Turn` is the turn in flight (parsing, commit,
-results); `gateway.turn_types` holds the neutral structs.
+renders each prompt (or continues the session's segment it extends, `gateway.core.segments`),
+plans where each choice is recorded, generates n choices per prompt, parses tool calls, commits,
+and hands out neutral `Choice`s (or, streaming, `Delta`s as tokens arrive). The protocol
+packages (`gateway.protocols.openai` chat and completions, `gateway.protocols.responses`,
+`gateway.protocols.anthropic`) hold adapters on it: a request to a `TurnSpec`, and a turn's choices
+or deltas to their response JSON and events. Because all of them record the same neutral transcript,
+one session can switch protocol and keep its token-exact continuation wherever the histories agree.
+This module starts a turn (plans its prompts, starts its choices); `gateway.core.turn_run.Turn` is
+the turn in flight (parsing, commit, results); `gateway.core.turn_types` holds the neutral structs.
 
 The response is sent only after its completions are committed; a stream's final events likewise
 wait for the commit. A turn whose client goes away (a stream, or a request cancelled because its
@@ -28,14 +28,14 @@ from dataclasses import replace
 
 from engines.base import Engine, GenerateRequest, SamplingParams, TokenChunk
 from engines.errors import PromptTooLongError
-from gateway.chat_render import ChatRenderer
-from gateway.choices import ChoiceRun, TokenPieces
-from gateway.detok import IncrementalDecoder
-from gateway.recorder import Match, Plan, Recorder
-from gateway.sampling import contract_of, max_tokens_cap, sampling_params
-from gateway.segments import LiveSegment, extends, extends_tokens, repeats, repeats_tokens
-from gateway.turn_run import Turn
-from gateway.turn_types import (
+from gateway.core.chat_render import ChatRenderer
+from gateway.core.choices import ChoiceRun, TokenPieces
+from gateway.core.detok import IncrementalDecoder
+from gateway.core.recorder import Match, Plan, Recorder
+from gateway.core.sampling import contract_of, max_tokens_cap, sampling_params
+from gateway.core.segments import LiveSegment, extends, extends_tokens, repeats, repeats_tokens
+from gateway.core.turn_run import Turn
+from gateway.core.turn_types import (
     RECORD_KEY,
     ChatPrompt,
     Choice,
@@ -43,6 +43,7 @@ from gateway.turn_types import (
     Parsers,
     Prompt,
     TokenPrompt,
+    TurnContext,
     TurnSpec,
 )
 from store.run_config import RunConfig
@@ -107,6 +108,8 @@ class TurnCore:
         self.model_name = model_name
         self.parsers = parsers
         self.pieces = TokenPieces(renderer.tokenizer)
+        self.context = TurnContext(recorder, parsers, self.pieces, model_name)
+        """What the turns this core starts read of it."""
         markers = {*parsers.tools.markers, *parsers.reasoning_markers}
         added = getattr(renderer.tokenizer, "added_tokens_decoder", {})
         self._keep = frozenset(i for i, t in added.items() if t.special and t.content in markers)
@@ -133,8 +136,8 @@ class TurnCore:
     ) -> Turn:
         """Plan every prompt and start its choices; for a stream, return once the first piece
         was generated. `run`: the config of the session's run, which the request samples under
-        (`gateway.sampling`; None outside a session). `retry`: the client says this repeats a
-        request whose reply it never got (`gateway.segments`). `respond`: a choice's response
+        (`gateway.core.sampling`; None outside a session). `retry`: the client says this repeats a
+        request whose reply it never got (`gateway.core.segments`). `respond`: a choice's response
         JSON in the adapter's protocol, which is recorded with it."""
         sp = sampling_params(spec.asked, run)
         # A maximum the client did not ask for (the run's cap) is a limit, never a demand: where
@@ -159,7 +162,9 @@ class TurnCore:
         except BaseException:
             self.release(groups)
             raise
-        turn = Turn(self, spec, groups, sp, contract_of(run), respond, cap=max_tokens_cap(run))
+        turn = Turn(
+            self.context, spec, groups, sp, contract_of(run), respond, cap=max_tokens_cap(run)
+        )
         if spec.stream:
             await turn.start_stream()
         return turn
@@ -195,9 +200,7 @@ class TurnCore:
             )
 
     def release(self, groups: list[Group]) -> None:
-        for g in groups:
-            if g.plan is not None and self.recorder is not None:
-                self.recorder.release(g.plan)
+        self.context.release(groups)
 
     # -- planning ----------------------------------------------------------------------------
 

@@ -88,7 +88,7 @@ _HERMES_BLOCK_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
 class HermesParser:
-    """`gateway.chat_render.parse_tool_calls`'s behaviour: text between or after the blocks is
+    """`gateway.core.chat_render.parse_tool_calls`'s behaviour: text between or after the blocks is
     dropped, and a last block may lack its closing tag (a reply cut by max_tokens or a stop)."""
 
     name = "hermes"

@@ -1,5 +1,6 @@
 """One turn in flight (`Turn`): its choices' runs, their commit, and their neutral results, whole
-or as deltas while they stream. `gateway.turn.TurnCore` starts it; the adapters read it.
+or as deltas while they stream. `gateway.core.turn.TurnCore` starts it with its `TurnContext`;
+the adapters read it.
 """
 
 from __future__ import annotations
@@ -7,17 +8,17 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from engines.base import SamplingParams
-from gateway.choices import ChoiceRun, RunGroup
-from gateway.reasoning_parsers import Split
-from gateway.recorder import ChoiceOutcome
-from gateway.sampling import record_of
-from gateway.segments import chat_transcript
-from gateway.turn_types import (
+from gateway.core.choices import ChoiceRun, RunGroup
+from gateway.core.reasoning_parsers import Split
+from gateway.core.recorder import ChoiceOutcome
+from gateway.core.sampling import record_of
+from gateway.core.segments import chat_transcript
+from gateway.core.turn_types import (
     COMPLETION_TRANSCRIPT,
     RECORD_KEY,
     ChatPrompt,
@@ -27,14 +28,12 @@ from gateway.turn_types import (
     Prompt,
     TokenPrompt,
     ToolCall,
+    TurnContext,
     TurnSpec,
     parse_arguments,
 )
 from store.run_config import ClientSampling
 from store.types import JSON, TurnStatus
-
-if TYPE_CHECKING:
-    from gateway.turn import TurnCore
 
 
 class Turn:
@@ -42,7 +41,7 @@ class Turn:
 
     def __init__(
         self,
-        core: TurnCore,
+        context: TurnContext,
         spec: TurnSpec,
         groups: list[Group],
         sampling: SamplingParams,
@@ -51,13 +50,14 @@ class Turn:
         *,
         cap: int | None,
     ) -> None:
-        self.core = core
+        self.context = context
+        """What it reads of the core that started it."""
         self.spec = spec
         self.groups = groups
         self.sampling = sampling
         self.contract = contract
         self.cap = cap
-        """The run's cap on new tokens (`gateway.sampling.max_tokens_cap`), recorded."""
+        """The run's cap on new tokens (`gateway.core.sampling.max_tokens_cap`), recorded."""
         self.respond = respond
         self.id = f"{spec.id_prefix}{uuid.uuid4().hex[:29]}"
         self.created = int(time.time())
@@ -91,7 +91,7 @@ class Turn:
         return self._group_of(run).prefill + run.decoder.text
 
     def _split(self, group: Group, text: str) -> Split:
-        reasoning = self.core.parsers.reasoning
+        reasoning = self.context.parsers.reasoning
         if reasoning is None or not isinstance(group.prompt, ChatPrompt):
             return Split(None, text, True)
         return reasoning.split(text, opened=group.opened)
@@ -104,7 +104,7 @@ class Turn:
         split = self._split(group, group.prefill + run.decoder.safe_text())
         text = split.answer if split.done else ""
         if group.parses_tools:
-            cut = [at for m in self.core.parsers.tools.markers if (at := text.find(m)) >= 0]
+            cut = [at for m in self.context.parsers.tools.markers if (at := text.find(m)) >= 0]
             text = (text[: min(cut)] if cut else text).rstrip()
         return Split(split.reasoning, text, split.done)
 
@@ -116,7 +116,7 @@ class Turn:
         content: str | None = split.answer if split.reasoning is None else split.answer or None
         calls: tuple[ToolCall, ...] = ()
         if group.parses_tools:
-            content, parsed = self.core.parsers.tools.parse(split.answer)
+            content, parsed = self.context.parsers.tools.parse(split.answer)
             ids = self._call_ids.setdefault(run.index, [])
             while len(ids) < len(parsed):
                 ids.append(f"call_{uuid.uuid4().hex[:24]}")
@@ -173,7 +173,7 @@ class Turn:
         return chat_transcript([*prompt.messages, reply], prompt.tools)
 
     async def _commit(self, aborted: bool) -> None:
-        recorder = self.core.recorder
+        recorder = self.context.recorder
         if recorder is None or self.committed:
             return
         self.committed = True
@@ -210,7 +210,7 @@ class Turn:
     def _release(self) -> None:
         if not self.committed:
             self.committed = True
-            self.core.release(self.groups)
+            self.context.release(self.groups)
 
     # -- whole ---------------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""The neutral turn: what a protocol's adapter gives the turn core (`gateway.turn`) and gets back.
+"""The neutral turn: what a protocol's adapter gives the turn core (`gateway.core.turn`) and gets
+back.
 
 An adapter turns its request into a `TurnSpec` (neutral prompts: `ChatPrompt` or `TokenPrompt`,
 the sampling asked for, n, stop strings, the body to record) and the turn's `Choice`s (or, while
@@ -11,15 +12,15 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from gateway.chat_render import Message
-from gateway.choices import ChoiceRun
-from gateway.reasoning_parsers import ReasoningParser
-from gateway.recorder import Plan
-from gateway.sampling import Asked
+from gateway.core.chat_render import Message
+from gateway.core.choices import ChoiceRun, TokenPieces
+from gateway.core.reasoning_parsers import ReasoningParser
+from gateway.core.recorder import Plan, Recorder
+from gateway.core.sampling import Asked
 from store.types import JSON
 
 if TYPE_CHECKING:
-    from gateway.tool_parsers import ToolCallParser
+    from gateway.core.tool_parsers import ToolCallParser
 
 COMPLETION_TRANSCRIPT = {"kind": "completion"}
 RECORD_KEY = "rlgateway"
@@ -48,7 +49,7 @@ class ChatPrompt:
     """A conversation to render with the model's chat template."""
 
     messages: list[Message]
-    """Normalized (`gateway.chat_render.normalize_messages`): what is rendered and compared."""
+    """Normalized (`gateway.core.chat_render.normalize_messages`): what is rendered and compared."""
     tools: list[dict[str, Any]]
     """OpenAI function tools (`{"type": "function", "function": {...}}`)."""
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
@@ -110,7 +111,7 @@ class Choice:
     text: str
     """Everything it generated, prefill included, cut at a matched stop string."""
     reasoning: str | None
-    """Its reasoning (`gateway.reasoning_parsers`), split off `text`; None: none."""
+    """Its reasoning (`gateway.core.reasoning_parsers`), split off `text`; None: none."""
     content: str | None
     """The text outside tool calls (None: there was none)."""
     tool_calls: tuple[ToolCall, ...]
@@ -164,6 +165,27 @@ class Parsers:
     @property
     def reasoning_markers(self) -> tuple[str, ...]:
         return () if self.reasoning is None else self.reasoning.markers
+
+
+@dataclass(frozen=True, slots=True)
+class TurnContext:
+    """What a turn in flight (`gateway.core.turn_run.Turn`) and its adapter read of the core that
+    started it (`gateway.core.turn.TurnCore`): a turn holds this, never the core, so that neither
+    module imports the other."""
+
+    recorder: Recorder | None
+    """None: nothing is recorded."""
+    parsers: Parsers
+    pieces: TokenPieces
+    """Token ids to their text and bytes (logprob entries)."""
+    model_name: str
+    """The `model` every response names."""
+
+    def release(self, groups: list[Group]) -> None:
+        """Give back the segments a turn reserved and did not commit."""
+        for g in groups:
+            if g.plan is not None and self.recorder is not None:
+                self.recorder.release(g.plan)
 
 
 def parse_arguments(arguments: str) -> Any:

@@ -1,9 +1,9 @@
-"""`/v1/completions` on the turn core (`gateway.turn`): a text or token-id prompt (or several),
+"""`/v1/completions` on the turn core (`gateway.core.turn`): a text or token-id prompt (or several),
 n choices each, recorded like chat turns.
 
 A token prompt that starts with one of the session's completion segments extends it (the exact
 tokens are right there in the prompt); one that repeats the prompt of a segment's aborted last turn
-(or, for a retry, of its completed last turn) takes that turn's place (`gateway.segments`);
+(or, for a retry, of its completed last turn) takes that turn's place (`gateway.core.segments`);
 anything else opens a segment.
 """
 
@@ -13,14 +13,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.chat_render import ChatRenderer
-from gateway.choices import EventStream, completion_logprobs
+from gateway.core.chat_render import ChatRenderer
+from gateway.core.choices import EventStream, TokenPieces
+from gateway.core.turn import TurnCore
+from gateway.core.turn_run import Turn
+from gateway.core.turn_types import Choice, Prompt, TokenPrompt, TurnSpec
 from gateway.errors import BadRequest
-from gateway.openai_sse import sse_stream, usage_of
-from gateway.openai_types import CompletionRequest
-from gateway.turn import TurnCore
-from gateway.turn_run import Turn
-from gateway.turn_types import Choice, Prompt, TokenPrompt, TurnSpec
+from gateway.protocols.openai.sse import sse_stream, usage_of
+from gateway.protocols.openai.types import CompletionRequest
 from store.run_config import RunConfig
 from store.types import JSON
 
@@ -74,7 +74,7 @@ class CompletionService:
             "id": turn.id,
             "object": "text_completion",
             "created": turn.created,
-            "model": turn.core.model_name,
+            "model": turn.context.model_name,
             "choices": [respond.choice(turn, c) for c in choices],
             "usage": usage_of(turn),
         }
@@ -88,7 +88,7 @@ class _Respond:
         logprobs = None
         if self.body.logprobs is not None:
             r = c.run
-            logprobs = completion_logprobs(turn.core.pieces, r.ids, r.logprobs, r.top_logprobs)
+            logprobs = completion_logprobs(turn.context.pieces, r.ids, r.logprobs, r.top_logprobs)
         return {
             "index": c.index,
             "text": c.text,
@@ -112,3 +112,28 @@ def _stream(turn: Turn, body: CompletionRequest) -> AsyncIterator[str]:
         closing=lambda c: _text(c.index, turn.unsent(c), c.finish_reason),
         include_usage=opts is not None and opts.include_usage,
     )
+
+
+def completion_logprobs(
+    pieces: TokenPieces,
+    ids: list[int],
+    logprobs: list[float],
+    tops: list[tuple[tuple[int, float], ...]],
+    offset: int = 0,
+) -> dict[str, Any]:
+    """OpenAI legacy completions `logprobs` for sampled tokens."""
+    tokens, offsets, top = [], [], []
+    pos = offset
+    for i, tok in enumerate(ids):
+        text, _ = pieces(tok)
+        tokens.append(text)
+        offsets.append(pos)
+        pos += len(text)
+        if i < len(tops):
+            top.append({pieces(a)[0]: lp for a, lp in tops[i]})
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": top or None,
+        "text_offset": offsets,
+    }

@@ -1,8 +1,8 @@
 """The Responses API's request schema (`POST /v1/responses`), and its input items as neutral
-messages (`gateway.turn_types.ChatPrompt`).
+messages (`gateway.core.turn_types.ChatPrompt`).
 
-Input items become the same normalized messages chat completions records
-(`gateway.chat_render.normalize_messages`): messages by role (developer as system), an assistant
+Input items become the same neutral messages chat completions records
+(`gateway.core.chat_render`): messages by role (developer as system), an assistant
 message and the `function_call` items after it as one assistant message with tool calls, each
 `function_call_output` as a tool message. So a conversation that moves between chat completions
 and Responses continues its segment token for token.
@@ -11,23 +11,22 @@ Tools: function tools are callable (a `namespace` group's function tools too, fl
 tools (`web_search`, `file_search`, `computer_use_preview`, `mcp`, ...) and custom tools are not,
 and are left out (`Tools.left_out` names them; the response says so in a header), never a 400.
 Reasoning items the client returns are accepted; the encrypted content the gateway handed out
-finds the exact earlier tokens again (`gateway.responses`).
+finds the exact earlier tokens again (`gateway.protocols.responses.adapter`).
 """
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from engines.base import MAX_TOP_LOGPROBS
-from gateway.chat_render import Message, Tools, function_tool
+from gateway.core.chat_render import Message, Tools, function_tool
+from gateway.core.reasoning_parsers import unseal_reasoning
+from gateway.core.turn_types import ToolChoice, ToolMode
 from gateway.errors import BadRequest
-from gateway.limits import CheckedBody
-from gateway.openai_types import Int, Num, TokenCount
-from gateway.turn_types import ToolChoice, ToolMode
+from gateway.limits import CheckedBody, Int, Num, TokenCount
 
 
 class _Open(BaseModel):
@@ -122,24 +121,6 @@ def _arguments(raw: Any, where: str) -> Any:
 
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-SEAL = "rlg1."
-"""The prefix of the gateway's own `encrypted_content`."""
-
-
-def seal_reasoning(text: str) -> str:
-    """A reasoning item's `encrypted_content`: opaque to the client, the reasoning text exactly to
-    the gateway (the item's visible text is whatever the client chooses to send back)."""
-    return SEAL + base64.urlsafe_b64encode(text.encode()).decode()
-
-
-def unseal_reasoning(sealed: Any) -> str | None:
-    """The reasoning text of an `encrypted_content` the gateway sealed, else None."""
-    if not isinstance(sealed, str) or not sealed.startswith(SEAL):
-        return None
-    try:
-        return base64.urlsafe_b64decode(sealed.removeprefix(SEAL)).decode()
-    except (ValueError, UnicodeDecodeError):
-        return None
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:

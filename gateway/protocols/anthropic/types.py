@@ -1,13 +1,12 @@
 """Anthropic Messages' request schemas (`POST /v1/messages`, `/v1/messages/count_tokens`), and
-their content blocks as neutral messages (`gateway.turn_types.ChatPrompt`).
+their content blocks as neutral messages (`gateway.core.turn_types.ChatPrompt`).
 
-Blocks become the same normalized messages chat completions records
-(`gateway.chat_render.normalize_messages`): an assistant message's `text` blocks are its content
-and its `tool_use` blocks its tool calls; a user message's `tool_result` blocks are tool messages
-(in order), and its text blocks a user message after them. `system` (a string or text blocks,
-joined by newlines) is the first message. Tool-use ids are the gateway's own call ids with
-Anthropic's `toolu_` prefix, so a conversation that moves between Messages and the OpenAI
-protocols continues its segment token for token.
+Blocks become the same neutral messages chat completions records (`gateway.core.chat_render`):
+an assistant message's `text` blocks are its content and its `tool_use` blocks its tool calls; a
+user message's `tool_result` blocks are tool messages (in order), and its text blocks a user message
+after them. `system` (a string or text blocks, joined by newlines) is the first message. Tool-use
+ids are the gateway's own call ids with Anthropic's `toolu_` prefix, so a conversation that moves
+between Messages and the OpenAI protocols continues its segment token for token.
 
 An assistant's `thinking` blocks are its reasoning (`reasoning_content`); `cache_control`,
 `thinking`, `context_management`, `output_config` and `metadata` are accepted; tools the model
@@ -22,11 +21,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from gateway.chat_render import Message, Tools, function_tool
+from gateway.core.chat_render import Message, Tools, function_tool
+from gateway.core.turn_types import ToolChoice, ToolMode
 from gateway.errors import BadRequest
-from gateway.limits import CheckedBody
-from gateway.openai_types import Int, Num, TokenCount
-from gateway.turn_types import ToolChoice, ToolMode
+from gateway.limits import CheckedBody, Int, Num, TokenCount
 
 CALL_PREFIX, TOOLU_PREFIX = "call_", "toolu_"
 

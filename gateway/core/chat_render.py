@@ -1,90 +1,26 @@
 """Messages to token ids and back: the gateway owns tokenization (docs/architecture.md,
 "Contracts": token truth).
 
-- `normalize_messages` turns OpenAI messages into the plain dicts that are rendered and compared
-  (tool-call arguments parsed to objects, ids dropped, content flattened to text, an assistant's
-  reasoning as `reasoning_content`), so that an agent echoing back our reply with different JSON
-  spacing or fresh tool-call ids still extends its segment. Every protocol's adapter produces
-  these same dicts (`gateway.turn`).
+- `Message` is the neutral message: a plain dict that is rendered and compared (tool-call
+  arguments parsed to objects, ids dropped, content flattened to text, an assistant's reasoning
+  as `reasoning_content`), so that an agent echoing back our reply with different JSON spacing or
+  fresh tool-call ids still extends its segment. Every protocol's adapter produces these same
+  dicts from its own messages (chat's: `gateway.protocols.openai.chat.normalize_messages`).
 - `ChatRenderer` renders with the model's chat template and computes the tokens that continue a
   segment: its exact tokens, then the template's end-of-turn glue, then the rendered new messages.
   The model's own output is never re-tokenized.
-- Tool calls are read out of generated text by the model family's parser (`gateway.tool_parsers`).
+- Tool calls are read out of generated text by the model family's parser
+  (`gateway.core.tool_parsers`).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
-
-from gateway.errors import BadRequest
-from gateway.openai_types import ChatMessage, Tool
 
 Message = dict[str, Any]
 
 _SENTINEL = "\x00rlgateway-sentinel\x00"
-
-
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise BadRequest(
-                f"message content part of type {part.type!r} is not supported: send text parts",
-                param="messages",
-            )
-        parts.append(part.text)
-    return "".join(parts)
-
-
-def _arguments(raw: str | dict[str, Any]) -> Any:
-    if isinstance(raw, dict):
-        return raw
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def normalize_messages(messages: list[ChatMessage]) -> list[Message]:
-    """Plain, comparable dicts: role, content (text), and tool_calls / tool_call_id / name."""
-    out: list[Message] = []
-    for m in messages:
-        msg: Message = {"role": "system" if m.role == "developer" else m.role}
-        msg["content"] = _text(m.content)
-        if m.tool_calls:
-            msg["tool_calls"] = [
-                {
-                    "type": "function",
-                    "function": {
-                        "name": c.function.name,
-                        "arguments": _arguments(c.function.arguments),
-                    },
-                }
-                for c in m.tool_calls
-            ]
-        if m.role == "assistant" and m.reasoning_content:
-            msg["reasoning_content"] = m.reasoning_content
-        if m.role == "tool":
-            msg["tool_call_id"] = m.tool_call_id or ""
-        if m.name:
-            msg["name"] = m.name
-        out.append(msg)
-    return out
-
-
-def normalize_tools(tools: list[Tool] | None) -> list[dict[str, Any]]:
-    """Chat tools as the template gets them: name, description and parameters (`strict` and
-    other flags never change the prompt)."""
-    return [
-        function_tool(t.function.name, t.function.description, t.function.parameters)
-        for t in tools or []
-    ]
 
 
 @dataclass(frozen=True, slots=True)

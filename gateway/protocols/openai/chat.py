@@ -1,22 +1,91 @@
-"""`/v1/chat/completions` on the turn core (`gateway.turn`): a chat request to a `TurnSpec`, and
-a turn's choices to `chat.completion` JSON or `chat.completion.chunk` events."""
+"""`/v1/chat/completions` on the turn core (`gateway.core.turn`): a chat request to a `TurnSpec`
+(its messages and tools normalized to the neutral ones, `normalize_messages`), and a turn's
+choices to `chat.completion` JSON or `chat.completion.chunk` events."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from gateway.chat_render import normalize_messages, normalize_tools
-from gateway.choices import EventStream, chat_logprobs
+from gateway.core.chat_render import Message, function_tool
+from gateway.core.choices import EventStream
+from gateway.core.turn import TurnCore
+from gateway.core.turn_run import Turn
+from gateway.core.turn_types import ChatPrompt, Choice, Delta, ToolChoice, TurnSpec
 from gateway.errors import BadRequest
-from gateway.openai_sse import sse_stream, usage_of
-from gateway.openai_types import ChatCompletionRequest, NamedToolChoice
-from gateway.turn import TurnCore
-from gateway.turn_run import Turn
-from gateway.turn_types import ChatPrompt, Choice, Delta, ToolChoice, TurnSpec
+from gateway.protocols.common import chat_logprobs
+from gateway.protocols.openai.sse import sse_stream, usage_of
+from gateway.protocols.openai.types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    NamedToolChoice,
+    Tool,
+)
 from store.run_config import RunConfig
 from store.types import JSON
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise BadRequest(
+                f"message content part of type {part.type!r} is not supported: send text parts",
+                param="messages",
+            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _arguments(raw: str | dict[str, Any]) -> Any:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def normalize_messages(messages: list[ChatMessage]) -> list[Message]:
+    """Plain, comparable dicts: role, content (text), and tool_calls / tool_call_id / name."""
+    out: list[Message] = []
+    for m in messages:
+        msg: Message = {"role": "system" if m.role == "developer" else m.role}
+        msg["content"] = _text(m.content)
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments(c.function.arguments),
+                    },
+                }
+                for c in m.tool_calls
+            ]
+        if m.role == "assistant" and m.reasoning_content:
+            msg["reasoning_content"] = m.reasoning_content
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id or ""
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def normalize_tools(tools: list[Tool] | None) -> list[dict[str, Any]]:
+    """Chat tools as the template gets them: name, description and parameters (`strict` and
+    other flags never change the prompt)."""
+    return [
+        function_tool(t.function.name, t.function.description, t.function.parameters)
+        for t in tools or []
+    ]
 
 
 def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
@@ -82,7 +151,7 @@ class ChatService:
             "id": turn.id,
             "object": "chat.completion",
             "created": turn.created,
-            "model": turn.core.model_name,
+            "model": turn.context.model_name,
             "choices": [respond.choice(turn, c) for c in choices],
             "usage": usage_of(turn),
             "system_fingerprint": None,
@@ -103,7 +172,9 @@ class _Respond:
         if self.body.logprobs:
             run = c.run
             logprobs = {
-                "content": chat_logprobs(turn.core.pieces, run.ids, run.logprobs, run.top_logprobs)
+                "content": chat_logprobs(
+                    turn.context.pieces, run.ids, run.logprobs, run.top_logprobs
+                )
             }
         return {
             "index": c.index,
@@ -133,7 +204,7 @@ def _stream(turn: Turn, body: ChatCompletionRequest) -> AsyncIterator[str]:
         logprobs = None
         if body.logprobs and d.hi > d.lo:
             entries = chat_logprobs(
-                turn.core.pieces,
+                turn.context.pieces,
                 r.ids[d.lo : d.hi],
                 r.logprobs[d.lo : d.hi],
                 r.top_logprobs[d.lo : d.hi],

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.attempts import Attempts
-from gateway.segments import LiveSegment, SegmentTracker, SessionState, Transcript
+from gateway.core.attempts import Attempts
+from gateway.core.segments import LiveSegment, SegmentTracker, SessionState, Transcript
 from store import Store
 from store.types import CompletionRecord, LastTurn, TurnStatus
 

@@ -14,9 +14,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.chat_render import Message
-from gateway.responses_types import input_messages
-from gateway.turn_types import RECORD_KEY
+from gateway.core.chat_render import Message
+from gateway.core.turn_types import RECORD_KEY
+from gateway.protocols.responses.types import input_messages
 from store import Store
 from store.types import JSON, KeptTurn, TurnStatus
 

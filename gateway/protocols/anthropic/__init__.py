@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: types, the adapter and its event stream, routes."""

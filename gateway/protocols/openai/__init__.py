@@ -1,0 +1,1 @@
+"""OpenAI chat completions, completions and models: types, adapters, SSE, routes."""

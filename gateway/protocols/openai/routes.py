@@ -1,0 +1,57 @@
+"""The OpenAI-compatible routes: chat completions, completions and models, mounted at `/v1/...`
+and at `/sessions/{session_id}/v1/...` (`gateway.routes.generate.mount_protocol`).
+
+An agent's base_url is either `.../sessions/{id}/v1` (the session rides in the path) or `.../v1`
+with the session key as its API key; both are recorded into that session. The admin token may call
+`/v1/...` too, unrecorded (for evaluation). What every generation route shares (connected
+clients only, retries, the sampling contract) is `gateway.routes.generate`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from gateway.auth import resolve
+from gateway.deps import Gateway, GatewayDep
+from gateway.errors import error_docs
+from gateway.protocols.openai.types import ChatCompletionRequest, CompletionRequest, check_vocab
+from gateway.routes.generate import GENERATE_DOC, generate, session_of
+
+router = APIRouter(tags=["openai"])
+
+
+def _vocab(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> Any:
+    return lambda: check_vocab(body, len(gw.components.tokenizer))
+
+
+@router.post("/v1/chat/completions", responses=GENERATE_DOC)
+async def chat_completions(
+    gw: GatewayDep, request: Request, body: ChatCompletionRequest
+) -> Response:
+    return await generate(
+        gw, request, body, session_of(request), "chat", gw.chat.create, check=_vocab(gw, body)
+    )
+
+
+@router.post("/v1/completions", responses=GENERATE_DOC)
+async def completions(gw: GatewayDep, request: Request, body: CompletionRequest) -> Response:
+    create = gw.completions.create
+    return await generate(
+        gw, request, body, session_of(request), "completions", create, check=_vocab(gw, body)
+    )
+
+
+@router.get("/v1/models", responses=error_docs(401, 500))
+async def models(gw: GatewayDep, request: Request) -> dict[str, Any]:
+    await resolve(request, gw.sessions, gw.settings.admin_token, session_of(request))
+    model = {
+        "id": gw.components.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "rlgateway",
+    }
+    return {"object": "list", "data": [model]}

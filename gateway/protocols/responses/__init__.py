@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: types, the adapter and its event stream, kept responses, routes."""
