@@ -19,6 +19,7 @@ from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
 from gateway.auth import require_active, resolve
@@ -66,14 +67,30 @@ def _session_path(
 
 def mount_protocol(app: FastAPI, router: APIRouter) -> None:
     """A protocol's routes at `/v1/...` and again under `/sessions/{session_id}`: one handler
-    per operation, which reads the session from the path with `session_of`."""
+    per operation, which reads the session from the path with `session_of`. The session routes
+    are routes of their own (with their whole path as their template, which the metrics label
+    requests by), not the same router included under a prefix."""
     app.include_router(router)
-    app.include_router(
-        router,
-        prefix=SESSION_PREFIX,
+    sessions = APIRouter(
+        tags=list(router.tags),
         dependencies=[Depends(_session_path)],
         responses=error_docs(404, 422),
     )
+    for route in router.routes:
+        if not isinstance(route, APIRoute):
+            raise TypeError(f"{route!r}: a protocol's router holds API routes only")
+        sessions.add_api_route(
+            SESSION_PREFIX + route.path,
+            route.endpoint,
+            methods=sorted(route.methods or ()),
+            name=route.name,
+            responses=route.responses,
+            response_model=route.response_model,
+            status_code=route.status_code,
+            summary=route.summary,
+            description=route.description,
+        )
+    app.include_router(sessions)
 
 
 class _EventStreamResponse(StreamingResponse):
