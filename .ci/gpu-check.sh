@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for a lent GPU machine (CI has none): the CUDA tests
-# (tests/integration/test_gpu.py); with 2 GPUs or more the parallel equality tests on NCCL (tensor,
+# (tests/integration/engines/test_gpu.py); with 2 GPUs or more the parallel equality tests on NCCL (tensor,
 # context and expert parallel ranks against one process: the same tests CI runs on gloo, here
 # with a GPU per rank; 4-rank runs need 4 GPUs); the Megatron backend on CUDA without the CPU
 # harness against the FSDP backend (one GPU: one process; 2 GPUs: t2, p2 and d2; 4: d1t2p2),
@@ -19,9 +19,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 timeout 300 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
   -W ignore::DeprecationWarning -W ignore::UserWarning -W ignore::FutureWarning \
-  tests/integration/test_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
+  tests/integration/engines/test_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -25
 gpus=$(nvidia-smi -L | wc -l)
-megatron=tests/integration/test_megatron.py
+megatron=tests/integration/trainer/test_megatron.py
 one=(test_the_logits_equal_the_hugging_face_models test_training_equals_the_fsdp_backend
   test_a_megatron_checkpoint_resumes_exactly_and_exports)
 timeout 600 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
@@ -31,8 +31,8 @@ timeout 600 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
 timeout 900 python3 bench/bench_parallel.py --rounds 2 --cores 8 \
   --only fsdp megatron $([ "$gpus" -ge 2 ] && echo fsdp:t2 megatron:t2 megatron:p2) 2>&1 \
   | tee "$out/bench-parallel.log" | tail -30
-parallel="tests/integration/test_tensor_parallel.py tests/integration/test_context_parallel.py
-  tests/integration/test_expert_parallel.py tests/integration/test_megatron.py"
+parallel="tests/integration/trainer/test_tensor_parallel.py tests/integration/trainer/test_context_parallel.py
+  tests/integration/trainer/test_expert_parallel.py tests/integration/trainer/test_megatron.py"
 if [ "$gpus" -ge 2 ]; then
   only=""  # the 4-rank runs: d2t2, d2c2, c2t2, d4e2, d1t2p2
   [ "$gpus" -lt 4 ] && only="not d2t2 and not d2c2 and not c2t2 and not d4e2 and not d1t2p2"

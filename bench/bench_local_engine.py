@@ -188,10 +188,10 @@ def vllm_server(args: argparse.Namespace, model_dir: Path) -> Iterator[str | Non
         return
     # tests/ is not an installed package: import the helper from this checkout.
     sys.path.insert(0, str(REPO_ROOT))
-    from tests.integration.vllm_server import start_vllm_server, vllm_python
+    from tests.support.vllm_server import start_vllm_server, vllm_python
 
     if vllm_python() is None:
-        raise SystemExit("--start-vllm: no vLLM found (see tests/integration/vllm_server.py)")
+        raise SystemExit("--start-vllm: no vLLM found (see tests/support/vllm_server.py)")
     print(f"starting vLLM on {model_dir} ...", file=sys.stderr, flush=True)
     with start_vllm_server(model_dir) as url:
         yield url.rstrip("/")

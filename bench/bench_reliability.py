@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/bench_reliability.py [--sessions 200 --turns 10 --fuzz-examples 80]
 
-1. **fuzz**: the property-based suite (`tests/integration/test_fuzz_api.py`: every operation of
-   the OpenAPI document, schema-conforming and not) against a real `rlgateway serve`; how many
-   cases, how many failed.
+1. **fuzz**: the property-based suite (`tests/integration/gateway/test_fuzz_api.py`: every
+   operation of the OpenAPI document, schema-conforming and not) against a real `rlgateway
+   serve`; how many cases, how many failed.
 2. **load**: `--sessions` sessions x `--turns` multi-turn chat turns (each turn extends the
    conversation with the reply it got), `--concurrency` at a time; every acknowledged turn must
    be in the store in its session's one segment: lost and prefix breaks are counted.
@@ -203,7 +203,7 @@ def fuzz(examples: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-         "tests/integration/test_fuzz_api.py"],
+         "tests/integration/gateway/test_fuzz_api.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
     cases = re.search(r'\{"fuzz_cases": (\d+)\}', done.stdout)

@@ -1,9 +1,9 @@
 """The gateway's exception tree and its one translation to HTTP errors.
 
 Routes raise these (or let engine/store errors through); `install_error_handlers` turns every one
-into OpenAI's `{"error": {"message", "type", "param", "code"}}`, or on the Anthropic routes
-Anthropic's `{"type": "error", "error": {"type", "message"}}`, with the right status, at the edge
-only.
+into an error response with the right status, at the edge only, in the envelope the route declares
+(`ErrorEnvelope`): OpenAI's `{"error": {"message", "type", "param", "code"}}` unless its route class
+names another (the Anthropic routes' `AnthropicRoute`, `gateway.protocols.anthropic.errors`).
 Request schemas refuse what is wrong with a field's own value as a 422 (pydantic's check), and what
 only the request as a whole shows (text that is not UTF-8, a tool result with no call) as a 400,
 raising `invalid_input(...)` in a validator. Anything else that escapes a route, a bug, is a 500 in
@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import Scope
 
 from engines.errors import (
     EngineUnavailableError,
@@ -137,24 +140,11 @@ _STATUS_DOCS = {
 }
 
 
-class AnthropicErrorDetail(BaseModel):
-    type: str
-    """invalid_request_error, authentication_error, not_found_error, overloaded_error, ..."""
-    message: str
-
-
-class AnthropicErrorBody(BaseModel):
-    """Every error response's body on the Anthropic routes (Anthropic's shape)."""
-
-    type: Literal["error"]
-    error: AnthropicErrorDetail
-
-
 def error_docs(
     *statuses: int, model: type[BaseModel] = ErrorBody
 ) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses=` declarations of these error statuses, each with `model` (`ErrorBody`,
-    or `AnthropicErrorBody` on the Anthropic routes)."""
+    or a route's `ErrorEnvelope.body`)."""
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
         doc: dict[str, Any] = {"model": model, "description": _STATUS_DOCS[status]}
@@ -178,57 +168,58 @@ def invalid_input(message: str, param: str | None) -> PydanticCustomError:
     return PydanticCustomError(INVALID_INPUT, "{message}", {"message": message, "param": param})
 
 
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
+class ErrorEnvelope:
+    """How a route wraps its errors: OpenAI's `{"error": {...}}` unless its route class declares
+    another (`error_envelope`, as the Anthropic routes' `AnthropicRoute` does)."""
 
+    body: type[BaseModel] = ErrorBody
+    """The body's schema, for the API document."""
 
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`."""
-    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def anthropic_route(path: str) -> bool:
-    """The Anthropic routes answer errors in Anthropic's shape."""
-    return path.endswith(("/v1/messages", "/v1/messages/count_tokens"))
-
-
-def _shaped(
-    path: str | None,
-    status: int,
-    message: str,
-    type_: str,
-    param: str | None,
-    code: str | None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    if path is not None and anthropic_route(path):
-        # Anthropic answers every invalid request 400, a field's own value included
-        status = 400 if status == 422 else status
+    def response(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None,
+        code: str | None,
+        headers: dict[str, str] | None = None,
+    ) -> JSONResponse:
         return JSONResponse(
-            anthropic_error_body(status, message), status_code=status, headers=headers
+            error_body(message, type_, param, code), status_code=status, headers=headers
         )
-    return JSONResponse(
-        error_body(message, type_, param, code), status_code=status, headers=headers
-    )
 
 
-def error_response(exc: GatewayError, path: str | None = None) -> JSONResponse:
-    """The response of a gateway error: its status, body (OpenAI's shape, or Anthropic's on its
-    routes) and headers."""
+OPENAI_ENVELOPE = ErrorEnvelope()
+
+
+def declare_envelopes(app: FastAPI, routes: Iterable[APIRoute]) -> None:
+    """Let what answers before routing (the body limit's 413) find these routes' envelopes."""
+    known: list[APIRoute] = app.state.__dict__.setdefault("enveloped_routes", [])
+    known.extend(routes)
+
+
+def envelope_of(scope: Scope) -> ErrorEnvelope:
+    """The error envelope of the route serving `scope`: the route routing chose, or before
+    routing the first declared route (`declare_envelopes`) whose path matches; OpenAI's for any
+    other path."""
+    route = scope.get("route")
+    if route is None and "app" in scope:
+        known = scope["app"].state.__dict__.get("enveloped_routes", ())
+        route = next((r for r in known if r.path_regex.match(scope["path"])), None)
+    return getattr(route, "error_envelope", OPENAI_ENVELOPE)
+
+
+def error_response(exc: GatewayError, scope: Scope) -> JSONResponse:
+    """The response of a gateway error: its status, body (in the envelope of the route serving
+    `scope`) and headers."""
     headers = {}
     if isinstance(exc, TooManyRequests | Unavailable) and exc.retry_after is not None:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     if isinstance(exc, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
-    return _shaped(path, exc.status, exc.message, exc.type, exc.param, exc.code, headers)
+    return envelope_of(scope).response(
+        exc.status, exc.message, exc.type, exc.param, exc.code, headers
+    )
 
 
 def translate(exc: Exception) -> GatewayError:
@@ -282,7 +273,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         status, message, param = _validation_message(exc)
-        return _shaped(request.url.path, status, message, "invalid_request_error", param, None)
+        envelope = envelope_of(request.scope)
+        return envelope.response(status, message, "invalid_request_error", param, None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -294,21 +286,20 @@ def install_error_handlers(app: FastAPI) -> None:
             allowed = ", ".join(allowed_methods(request))
             headers["Allow"] = allowed
             message = f"{request.method} is not allowed on {request.url.path}: use {allowed}"
-        return _shaped(request.url.path, exc.status_code, message, type_, None, code, headers)
+        envelope = envelope_of(request.scope)
+        return envelope.response(exc.status_code, message, type_, None, code, headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette's outermost middleware sends this response, then re-raises for the server
         # to log; a response already under way (a stream) is cut off, as nothing can be sent.
-        return error_response(
-            GatewayError(f"internal error: {type(exc).__name__}"), request.url.path
-        )
+        return error_response(GatewayError(f"internal error: {type(exc).__name__}"), request.scope)
 
     from engines.errors import EngineError
     from store.errors import StoreError
 
     async def _known(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(translate(exc), request.url.path)
+        return error_response(translate(exc), request.scope)
 
     for cls in (GatewayError, EngineError, StoreError):
         app.add_exception_handler(cls, _known)

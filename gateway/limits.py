@@ -42,7 +42,7 @@ class BodyLimit:
 
     A streamed body is counted as it is read: past the limit, reading it raises FastAPI's
     `HTTPException(413)`, which FastAPI re-raises as it is (any other error while it reads a body
-    becomes its 400) and the error handlers answer in OpenAI's shape."""
+    becomes its 400) and the error handlers answer in the route's envelope."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -54,9 +54,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await error_response(PayloadTooLarge(self._message()), scope["path"])(
-                scope, receive, send
-            )
+            await error_response(PayloadTooLarge(self._message()), scope)(scope, receive, send)
             return
         seen = 0
 

@@ -9,8 +9,8 @@ so no compute is wasted on pad tokens.
 transformers (5.x, `masking_utils.find_packed_sequence_indices`) then reads every position reset as
 a sequence boundary and builds a block-diagonal causal mask for the eager and sdpa kernels, so
 each sequence gets exactly the logits it would get alone. The model must be called with
-`use_cache=False`: with a cache the reset detection is skipped. `tests/unit/test_batch.py` holds
-this to 1e-5. That mask makes attention quadratic in the whole row, so the backend's default
+`use_cache=False`: with a cache the reset detection is skipped. `tests/unit/trainer/test_batch.py`
+holds this to 1e-5. That mask makes attention quadratic in the whole row, so the backend's default
 kernel is `trainer.attention.VARLEN` instead, which splits the row at the same resets and attends
 per sequence (held to the same 1e-5, gradients included). (flash-attention turns the resets into
 varlen `cu_seqlens`; that path needs a GPU and is not exercised here.)

@@ -3,8 +3,8 @@
     rlgateway train --config run.yaml algorithm=dapo optim.lr=1e-5 eta=2
 
 Dotted `key=value` overrides are parsed as YAML scalars and applied before validation. Validating
-imports no torch (`tests/unit/test_configs.py`), so a bad config fails instantly with a message
-naming the field.
+imports no torch (`tests/unit/rlgateway/test_configs.py`), so a bad config fails instantly with a
+message naming the field.
 """
 
 from __future__ import annotations

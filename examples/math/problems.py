@@ -4,8 +4,8 @@ answer a short worked solution ending in `#### N`, exactly as GSM8K writes it.
 
     python examples/math/problems.py            # rewrites data/train.jsonl and data/eval.jsonl
 
-The same seed writes byte-identical files (tests/unit/test_examples_data.py checks the checked-in
-ones). Problems take one or two steps of +, - and x on numbers up to 20, sized for
+The same seed writes byte-identical files (tests/unit/rlgateway/test_examples_data.py checks the
+checked-in ones). Problems take one or two steps of +, - and x on numbers up to 20, sized for
 SmolLM2-135M-Instruct: it solves some of them, not most.
 """
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import inspect
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Annotated, Any, Protocol, TypeVar
 
@@ -27,7 +28,7 @@ from gateway.core.attempts import Key
 from gateway.core.choices import EventStream
 from gateway.core.sampling import contract_of, max_tokens_cap
 from gateway.deps import Gateway
-from gateway.errors import BadRequest, error_docs
+from gateway.errors import BadRequest, declare_envelopes, error_docs
 from store.run_config import MAX_TOKENS_HEADER, SAMPLING_HEADER, RunConfig
 
 T = TypeVar("T")
@@ -69,28 +70,37 @@ def mount_protocol(app: FastAPI, router: APIRouter) -> None:
     """A protocol's routes at `/v1/...` and again under `/sessions/{session_id}`: one handler
     per operation, which reads the session from the path with `session_of`. The session routes
     are routes of their own (with their whole path as their template, which the metrics label
-    requests by), not the same router included under a prefix."""
+    requests by), not the same router included under a prefix; each keeps every setting of its
+    `/v1` twin (response class, models, schema flags, limits), copied by `_route_settings`."""
     app.include_router(router)
-    sessions = APIRouter(
-        tags=list(router.tags),
-        dependencies=[Depends(_session_path)],
-        responses=error_docs(404, 422),
-    )
+    sessions = APIRouter(dependencies=[Depends(_session_path)], responses=error_docs(404, 422))
     for route in router.routes:
         if not isinstance(route, APIRoute):
             raise TypeError(f"{route!r}: a protocol's router holds API routes only")
-        sessions.add_api_route(
-            SESSION_PREFIX + route.path,
-            route.endpoint,
-            methods=sorted(route.methods or ()),
-            name=route.name,
-            responses=route.responses,
-            response_model=route.response_model,
-            status_code=route.status_code,
-            summary=route.summary,
-            description=route.description,
-        )
+        settings = _route_settings(route)
+        sessions.add_api_route(SESSION_PREFIX + route.path, route.endpoint, **settings)
     app.include_router(sessions)
+    declare_envelopes(app, [*router.routes, *sessions.routes])  # type: ignore[list-item]
+
+
+# what `add_api_route` takes that a route holds under the same name, but its place
+_PLACE = {"self", "path", "endpoint", "operation_id"}
+_ROUTE_SETTINGS = tuple(
+    name
+    for name in inspect.signature(APIRouter.add_api_route).parameters
+    if name not in _PLACE and name in inspect.signature(APIRoute.__init__).parameters
+)
+
+
+def _route_settings(route: APIRoute) -> dict[str, Any]:
+    """Every setting of `route` that `add_api_route` takes back (its dependencies and tags
+    include its router's, which is how the session copy keeps them), and its class (which
+    declares its error envelope); the operation id is left to be generated from the session path,
+    so that the two stay distinct in the API document."""
+    settings = {name: getattr(route, name) for name in _ROUTE_SETTINGS}
+    settings["methods"] = sorted(route.methods or ())
+    settings["route_class_override"] = type(route)
+    return settings
 
 
 class _EventStreamResponse(StreamingResponse):

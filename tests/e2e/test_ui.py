@@ -17,20 +17,11 @@ import pytest
 
 from store import Store
 from store.types import Outcome
-from tests.integration.gateway_server import run_gateway
+from tests.support.browser import CHROMIUM, CHROMIUM_ARGS
+from tests.support.gateway_server import run_gateway
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 TOOLS = [
     {
         "type": "function",

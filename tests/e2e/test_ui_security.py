@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.e2e.test_ui import CHROMIUM, CHROMIUM_ARGS
-from tests.integration.gateway_server import run_gateway
+from tests.support.browser import CHROMIUM, CHROMIUM_ARGS
+from tests.support.gateway_server import run_gateway
 
 pytestmark = pytest.mark.slow
 

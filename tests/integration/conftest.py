@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.integration.gateway_server import GatewayHandle, serve
-from tests.integration.vllm_server import vllm_python
+from tests.support.gateway_server import GatewayHandle, serve
+from tests.support.vllm_server import vllm_python
 
 _T = TypeVar("_T")
 

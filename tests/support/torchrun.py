@@ -1,7 +1,7 @@
 """Running a test's worker script on N gloo processes under torchrun, and comparing state dicts.
 
 The multi-process tests (FSDP data parallel, the device mesh, tensor and context parallel) each
-run a worker module of `tests/integration` as `torchrun --nproc-per-node N WORKER ARGS...` and
+run a worker module of `tests/support/workers` as `torchrun --nproc-per-node N WORKER ARGS...` and
 compare what its ranks wrote with the same run in the test's own process.
 """
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def torchrun(worker: str, args: list[str], *, nproc: int = 2, timeout: float = 300) -> None:
     """Runs `worker` (a script path) with `args` on `nproc` processes (one thread each; the
-    repository on the path, as workers import each other as `tests.integration`); asserts that
+    repository on the path, as workers import each other as `tests.support.workers`); asserts that
     every rank exited 0, with the tails of their output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     cmd += ["--master-port", str(free_port()), worker, *args]

@@ -23,7 +23,7 @@ pipeline-split) model and AdamW state: no optimizer sharding.
 Grad clipping takes one norm over every rank's parameters (a tensor-split parameter's slices
 summed over the tensor ranks, a replicated one, such as a norm's weight, counted once, stages
 summed), with `torch.nn.utils.clip_grad_norm_`'s formula, so the step equals the FSDP backend's
-(tests/integration/test_megatron.py: loss, grad norm and parameters to 1e-5).
+(tests/integration/trainer/test_megatron.py: loss, grad norm and parameters to 1e-5).
 
 Checkpoints: each (tensor rank, stage) writes its parameters and AdamW state (`torch.save`; data
 ranks hold copies, data rank 0 writes), plus `trainer_state.json` with the step, the LR schedule

@@ -9,7 +9,7 @@ the rotary angles from the row's position ids and hands them to the decoder, and
 block-diagonal causal mask (`packed_mask`) so that no token sees another sequence. The angles use
 Hugging Face's own inverse frequencies (`transformers`' rotary-embedding class of the family, so
 its rope scaling types carry over), which is what makes the logits those of the Hugging Face
-model (tests/integration/test_megatron.py: 1e-5 in float32, tensor parallel 1 and 2).
+model (tests/integration/trainer/test_megatron.py: 1e-5 in float32, tensor parallel 1 and 2).
 
 The vocabulary is padded to a multiple of the tensor size (`trainer.megatron.convert`); the
 stage's logits keep the padding columns, which `trainer.backends.megatron` drops.

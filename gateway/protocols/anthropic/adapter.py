@@ -22,10 +22,12 @@ from gateway.core.sampling import Asked
 from gateway.core.turn import TurnCore
 from gateway.core.turn_run import Turn
 from gateway.core.turn_types import ChatPrompt, Choice, TurnSpec, parse_arguments
-from gateway.errors import anthropic_error_body, translate
+from gateway.errors import translate
+from gateway.protocols.anthropic.errors import anthropic_error_body
 from gateway.protocols.anthropic.types import (
     CountTokensRequest,
     MessagesRequest,
+    TokenCountAnswer,
     neutral_messages,
     tool_choice_of,
     tool_use_id,
@@ -52,13 +54,13 @@ class MessagesService:
     def __init__(self, core: TurnCore) -> None:
         self.core = core
 
-    async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
+    async def count_tokens(self, body: CountTokensRequest) -> TokenCountAnswer:
         """The prompt's tokens, as a fresh request renders it."""
         p = messages_prompt(body)
         r = self.core.renderer
         prefill = self.core.prefill(p)
         ids = await asyncio.to_thread(r.prompt, p.messages, p.tools, prefill)
-        return {"input_tokens": len(ids)}
+        return TokenCountAnswer(input_tokens=len(ids))
 
     async def create(
         self,

@@ -4,8 +4,8 @@
 
 What the `anthropic` SDK sends is accepted as it is: `x-api-key` (or a bearer key),
 `anthropic-version`, `anthropic-beta` and `?beta=true`. Errors on these routes are in Anthropic's
-shape (`gateway.errors.anthropic_route`). Tools the model cannot call are left out, named in
-`x-rlgateway-tools-left-out`.
+shape: the router's route class, `AnthropicRoute`, declares that envelope. Tools the model cannot
+call are left out, named in `x-rlgateway-tools-left-out`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,17 @@ from fastapi.responses import Response
 
 from gateway.auth import resolve
 from gateway.deps import GatewayDep
-from gateway.errors import AnthropicErrorBody, error_docs
-from gateway.protocols.anthropic.types import CountTokensRequest, MessagesRequest, tools_of
+from gateway.errors import error_docs
+from gateway.protocols.anthropic.errors import AnthropicErrorBody, AnthropicRoute
+from gateway.protocols.anthropic.types import (
+    CountTokensRequest,
+    MessagesRequest,
+    TokenCountAnswer,
+    tools_of,
+)
 from gateway.routes.generate import GENERATE_DOC, generate, left_out_headers, session_of
 
-router = APIRouter(tags=["anthropic"])
+router = APIRouter(tags=["anthropic"], route_class=AnthropicRoute)
 
 
 def _docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -42,6 +48,6 @@ async def create_message(gw: GatewayDep, request: Request, body: MessagesRequest
 @router.post("/v1/messages/count_tokens", responses=_docs(400, 401, 404, 422, 500))
 async def count_tokens(
     gw: GatewayDep, request: Request, body: CountTokensRequest
-) -> dict[str, int]:
+) -> TokenCountAnswer:
     await resolve(request, gw.sessions, gw.settings.admin_token, session_of(request))
     return await gw.messages.count_tokens(body)

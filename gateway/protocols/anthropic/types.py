@@ -46,6 +46,12 @@ class CountTokensRequest(_Open, CheckedBody):
     tool_choice: dict[str, Any] | None = None
 
 
+class TokenCountAnswer(BaseModel):
+    """`POST /v1/messages/count_tokens`: the prompt's tokens, as a fresh request renders it."""
+
+    input_tokens: int
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: TokenCount
     """A limit, not a demand: capped at the room the prompt leaves in the model's context."""

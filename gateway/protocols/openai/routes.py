@@ -18,7 +18,13 @@ from fastapi.responses import Response
 from gateway.auth import resolve
 from gateway.deps import Gateway, GatewayDep
 from gateway.errors import error_docs
-from gateway.protocols.openai.types import ChatCompletionRequest, CompletionRequest, check_vocab
+from gateway.protocols.openai.types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Model,
+    ModelList,
+    check_vocab,
+)
 from gateway.routes.generate import GENERATE_DOC, generate, session_of
 
 router = APIRouter(tags=["openai"])
@@ -46,12 +52,6 @@ async def completions(gw: GatewayDep, request: Request, body: CompletionRequest)
 
 
 @router.get("/v1/models", responses=error_docs(401, 500))
-async def models(gw: GatewayDep, request: Request) -> dict[str, Any]:
+async def models(gw: GatewayDep, request: Request) -> ModelList:
     await resolve(request, gw.sessions, gw.settings.admin_token, session_of(request))
-    model = {
-        "id": gw.components.model_name,
-        "object": "model",
-        "created": int(time.time()),
-        "owned_by": "rlgateway",
-    }
-    return {"object": "list", "data": [model]}
+    return ModelList(data=[Model(id=gw.components.model_name, created=int(time.time()))])

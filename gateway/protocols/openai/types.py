@@ -164,6 +164,23 @@ class CompletionRequest(_Sampling):
         return self
 
 
+class Model(BaseModel):
+    """One model the gateway serves (OpenAI's model object)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    """When this answer was made (Unix seconds): the gateway serves whatever its engines hold."""
+    owned_by: str = "rlgateway"
+
+
+class ModelList(BaseModel):
+    """`GET /v1/models`: the one model the gateway's engines serve."""
+
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
 def check_vocab(body: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> None:
     """BadRequest when `stop_token_ids` hold an id outside the model's vocabulary [0,
     vocab_size): such an id can never be sampled, and a remote engine may refuse it."""

@@ -8,15 +8,13 @@ the answer names them in `x-rlgateway-tools-left-out`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway.auth import resolve
 from gateway.deps import GatewayDep
 from gateway.errors import NotFound, error_docs
-from gateway.protocols.responses.types import ResponsesRequest, tools_of
+from gateway.protocols.responses.types import ResponseObject, ResponsesRequest, tools_of
 from gateway.routes.generate import GENERATE_DOC, generate, left_out_headers, session_of
 
 router = APIRouter(tags=["responses"])
@@ -37,11 +35,11 @@ async def create_response(gw: GatewayDep, request: Request, body: ResponsesReque
 
 
 @router.get("/v1/responses/{response_id}", responses=error_docs(401, 403, 404, 422, 500))
-async def get_response(gw: GatewayDep, request: Request, response_id: str) -> Any:
+async def get_response(gw: GatewayDep, request: Request, response_id: str) -> ResponseObject:
     caller = await resolve(request, gw.sessions, gw.settings.admin_token, session_of(request))
     # the admin outside a session sees every kept response; any other caller its session's
     scope = caller.session.id if caller.session is not None else None
     kept = await gw.responses.kept.get(response_id, scope)
     if kept is None:
         raise NotFound(f"no response with id {response_id!r} was kept for this key")
-    return kept.response
+    return ResponseObject.model_validate(kept.response)

@@ -29,6 +29,23 @@ from gateway.errors import BadRequest
 from gateway.limits import CheckedBody, Int, Num, TokenCount
 
 
+class ResponseObject(BaseModel):
+    """A response as `POST /v1/responses` answered it and `GET /v1/responses/{id}` returns it:
+    these fields declared, the rest of OpenAI's response object (instructions, tools, sampling,
+    metadata, ...) passed through as it was sent."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: str = "response"
+    created_at: int | float
+    status: str
+    """completed, incomplete or failed."""
+    model: str
+    output: list[dict[str, Any]]
+    """Messages, reasoning items and function calls, in the order the model produced them."""
+    usage: dict[str, Any] | None = None
+
+
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 

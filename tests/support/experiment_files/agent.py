@@ -1,6 +1,6 @@
-"""An agent program for tests/integration/test_experiment.py: reads its row on stdin, asks the
-model once through OPENAI_BASE_URL with the openai SDK, prints the answer; crashes on rows
-marked `crash`."""
+"""An agent program for tests/integration/experiments/test_experiment.py: reads its row on
+stdin, asks the model once through OPENAI_BASE_URL with the openai SDK, prints the answer; crashes
+on rows marked `crash`."""
 
 from __future__ import annotations
 

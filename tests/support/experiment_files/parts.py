@@ -1,4 +1,5 @@
-"""User code for tests/integration/test_experiment.py, as a user's spec names it (`parts.py:fn`)."""
+"""User code for tests/integration/experiments/test_experiment.py, as a user's spec names it
+(`parts.py:fn`)."""
 
 from __future__ import annotations
 
