@@ -28,7 +28,7 @@ from gateway.deps import (
     build_gateway,
     check_run_fields,
 )
-from gateway.errors import install_error_handlers
+from gateway.errors import document_envelopes, install_error_handlers
 from gateway.limits import BodyLimit
 from gateway.metrics import GatewayMetrics, RequestMetrics, engine_health
 from gateway.published import restore_policy
@@ -142,6 +142,7 @@ def create_app(
         redoc_url=None,
     )
     install_error_handlers(app)
+    document_envelopes(app)
     for protocol in (openai, responses, messages):
         mount_protocol(app, protocol.router)
     app.include_router(runs.router)

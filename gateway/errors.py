@@ -4,14 +4,16 @@ Routes raise these (or let engine/store errors through); `install_error_handlers
 into an error response with the right status, at the edge only, in the envelope the route declares
 (`ErrorEnvelope`): OpenAI's `{"error": {"message", "type", "param", "code"}}` unless its route class
 names another (the Anthropic routes' `AnthropicRoute`, `gateway.protocols.anthropic.errors`).
-Request schemas refuse what is wrong with a field's own value as a 422 (pydantic's check), and what
-only the request as a whole shows (text that is not UTF-8, a tool result with no call) as a 400,
-raising `invalid_input(...)` in a validator. Anything else that escapes a route, a bug, is a 500 in
+Request schemas refuse what is wrong with a field's own value as a 422 (pydantic's check; 400 on
+the protocol routes, as OpenAI and Anthropic answer it), and what only the request as a whole shows
+(text that is not UTF-8, a tool result with no call) as a 400, raising `invalid_input(...)` in a
+validator. Anything else that escapes a route, a bug, is a 500 in
 the same shape, never plain text.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Iterable
@@ -170,10 +172,13 @@ def invalid_input(message: str, param: str | None) -> PydanticCustomError:
 
 class ErrorEnvelope:
     """How a route wraps its errors: OpenAI's `{"error": {...}}` unless its route class declares
-    another (`error_envelope`, as the Anthropic routes' `AnthropicRoute` does)."""
+    another (`error_envelope`: the protocol routes' `OpenAIRoute` and `AnthropicRoute`)."""
 
     body: type[BaseModel] = ErrorBody
     """The body's schema, for the API document."""
+    invalid_status = 422
+    """The status of a field whose own value is invalid: FastAPI's 422 on the gateway's own
+    routes; OpenAI and Anthropic answer 400 (`INVALID_AS_400`)."""
 
     def response(
         self,
@@ -184,18 +189,53 @@ class ErrorEnvelope:
         code: str | None,
         headers: dict[str, str] | None = None,
     ) -> JSONResponse:
+        status = self.invalid_status if status == 422 else status
         return JSONResponse(
             error_body(message, type_, param, code), status_code=status, headers=headers
         )
 
 
+class InvalidAs400(ErrorEnvelope):
+    """OpenAI's shape and status: a field's invalid value is a 400, as OpenAI answers it (the
+    SDKs raise `BadRequestError`)."""
+
+    invalid_status = 400
+
+
 OPENAI_ENVELOPE = ErrorEnvelope()
+INVALID_AS_400 = InvalidAs400()
 
 
 def declare_envelopes(app: FastAPI, routes: Iterable[APIRoute]) -> None:
     """Let what answers before routing (the body limit's 413) find these routes' envelopes."""
     known: list[APIRoute] = app.state.__dict__.setdefault("enveloped_routes", [])
     known.extend(routes)
+
+
+def document_envelopes(app: FastAPI) -> None:
+    """The API document as the envelopes answer: a route whose envelope answers invalid values
+    with 400 declares no 422 (FastAPI adds its own 422, with a schema never sent, to every route
+    with parameters or a body)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        spec = build()
+        for route in app.state.__dict__.get("enveloped_routes", ()):
+            if getattr(route, "error_envelope", OPENAI_ENVELOPE).invalid_status == 422:
+                continue
+            ops = spec["paths"].get(route.path_format, {})
+            for method in route.methods or ():
+                ops.get(method.lower(), {}).get("responses", {}).pop("422", None)
+        schemas = spec.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            if f"#/components/schemas/{name}" not in json.dumps(spec["paths"]):
+                schemas.pop(name, None)
+        app.openapi_schema = spec
+        return spec
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def envelope_of(scope: Scope) -> ErrorEnvelope:

@@ -18,6 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
+
+from gateway.errors import BadRequest
+
 Message = dict[str, Any]
 
 _SENTINEL = "\x00rlgateway-sentinel\x00"
@@ -62,12 +66,20 @@ class ChatRenderer:
         *,
         add_generation_prompt: bool,
     ) -> str:
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools or None,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-        )
+        """The template's text. A template that refuses the messages (Mistral's and Gemma's raise
+        on a system message after the first, for one) is the client's 400 with the template's
+        own words, not a 500 that SDKs retry."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        except TemplateError as exc:
+            raise BadRequest(
+                f"the model's chat template refused these messages: {exc}", param="messages"
+            ) from exc
         assert isinstance(text, str)
         return text
 

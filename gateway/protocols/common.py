@@ -1,11 +1,15 @@
 """What the OpenAI-family protocols (chat completions and the Responses API) share on the wire:
-a sampled token's logprob entry with its alternatives."""
+a sampled token's logprob entry with its alternatives, and the 400 of a request for constrained
+decoding (`response_format`, `text.format`), which neither serves yet."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from fastapi.routing import APIRoute
+
 from gateway.core.choices import TokenPieces
+from gateway.errors import INVALID_AS_400, ErrorEnvelope
 
 
 def chat_logprobs(
@@ -24,3 +28,19 @@ def chat_logprobs(
             alternatives.append({"token": alt_text, "logprob": alt_lp, "bytes": alt_raw})
         out.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alternatives})
     return out
+
+
+UNCONSTRAINED = (
+    "structured outputs are not served yet: nothing would hold the reply to {what}, and a reply "
+    "that looks fine would be recorded and trained; drop {param} (ask for the format in the "
+    "prompt and check the reply yourself)"
+)
+"""The 400 of a request for constrained decoding, which the gateway does not do yet."""
+
+
+class OpenAIRoute(APIRoute):
+    """A route of the OpenAI protocols (chat, completions, models, Responses): errors in OpenAI's
+    shape with OpenAI's statuses, a field's invalid value a 400 (`gateway.errors.envelope_of`
+    reads it)."""
+
+    error_envelope: ErrorEnvelope = INVALID_AS_400

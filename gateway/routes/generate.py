@@ -46,7 +46,7 @@ GENERATE_DOC: dict[int | str, dict[str, Any]] = {
         '`data: {"error": {...}}` event before `[DONE]`.',
         "content": {"text/event-stream": {"schema": {"type": "string"}}},
     },
-    **error_docs(400, 401, 404, 409, 413, 422, 429, 500, 503),
+    **error_docs(400, 401, 404, 409, 413, 429, 500, 503),
 }
 
 
@@ -73,7 +73,7 @@ def mount_protocol(app: FastAPI, router: APIRouter) -> None:
     requests by), not the same router included under a prefix; each keeps every setting of its
     `/v1` twin (response class, models, schema flags, limits), copied by `_route_settings`."""
     app.include_router(router)
-    sessions = APIRouter(dependencies=[Depends(_session_path)], responses=error_docs(404, 422))
+    sessions = APIRouter(dependencies=[Depends(_session_path)], responses=error_docs(404))
     for route in router.routes:
         if not isinstance(route, APIRoute):
             raise TypeError(f"{route!r}: a protocol's router holds API routes only")

@@ -46,6 +46,7 @@ class AnthropicEnvelope(ErrorEnvelope):
     """Anthropic answers every invalid request 400, a field's own value included."""
 
     body = AnthropicErrorBody
+    invalid_status = 400
 
     def response(
         self,
@@ -56,7 +57,7 @@ class AnthropicEnvelope(ErrorEnvelope):
         code: str | None,
         headers: dict[str, str] | None = None,
     ) -> JSONResponse:
-        status = 400 if status == 422 else status
+        status = self.invalid_status if status == 422 else status
         return JSONResponse(
             anthropic_error_body(status, message), status_code=status, headers=headers
         )

@@ -34,9 +34,7 @@ def _docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return error_docs(*statuses, model=AnthropicErrorBody)
 
 
-@router.post(
-    "/v1/messages", responses=GENERATE_DOC | _docs(400, 401, 404, 409, 413, 422, 429, 500, 503)
-)
+@router.post("/v1/messages", responses=GENERATE_DOC | _docs(400, 401, 404, 409, 413, 429, 500, 503))
 async def create_message(gw: GatewayDep, request: Request, body: MessagesRequest) -> Response:
     headers = left_out_headers(tools_of(body.tools).left_out)
     create = gw.messages.create
@@ -45,7 +43,7 @@ async def create_message(gw: GatewayDep, request: Request, body: MessagesRequest
     )
 
 
-@router.post("/v1/messages/count_tokens", responses=_docs(400, 401, 404, 422, 500))
+@router.post("/v1/messages/count_tokens", responses=_docs(400, 401, 404, 500))
 async def count_tokens(
     gw: GatewayDep, request: Request, body: CountTokensRequest
 ) -> TokenCountAnswer:

@@ -9,7 +9,8 @@ ids are the gateway's own call ids with Anthropic's `toolu_` prefix, so a conver
 between Messages and the OpenAI protocols continues its segment token for token.
 
 An assistant's `thinking` blocks are its reasoning (`reasoning_content`); `cache_control`,
-`thinking`, `context_management`, `output_config` and `metadata` are accepted; tools the model
+`thinking`, `context_management`, `output_config` (but its `format`: structured outputs, like
+`output_format`, are a 400) and `metadata` are accepted; tools the model
 cannot call (Anthropic's server and computer tools, which have no `input_schema`) are left out,
 never a 400.
 """
@@ -17,13 +18,13 @@ never a 400.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from gateway.core.chat_render import Message, Tools, function_tool
 from gateway.core.turn_types import ToolChoice, ToolMode
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, invalid_input
 from gateway.limits import CheckedBody, Int, Num, TokenCount
 
 CALL_PREFIX, TOOLU_PREFIX = "call_", "toolu_"
@@ -64,6 +65,26 @@ class MessagesRequest(CountTokensRequest):
     """vLLM's extension, as on chat completions: the same seed reproduces the reply."""
     ignore_eos: StrictBool = False
     """vLLM's extension, as on chat completions: do not stop at the model's end token."""
+    output_format: dict[str, Any] | None = None
+    """Structured outputs (and `output_config.format`): a 400, as on the OpenAI routes."""
+
+    @model_validator(mode="after")
+    def _unconstrained(self) -> Self:
+        config = (self.model_extra or {}).get("output_config")
+        shape = config.get("format") if isinstance(config, dict) else None
+        for param, value in (
+            ("output_format", self.output_format),
+            ("output_config.format", shape),
+        ):
+            if value is not None:
+                raise invalid_input(
+                    f"{param}: structured outputs are not served yet: nothing would hold the "
+                    f"reply to your schema, and a reply that looks fine would be recorded and "
+                    f"trained; drop {param} (ask for the format in the prompt and check the reply "
+                    "yourself)",
+                    param,
+                )
+        return self
 
 
 def tool_use_id(call_id: str) -> str:

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from gateway.auth import resolve
 from gateway.deps import Gateway, GatewayDep
 from gateway.errors import error_docs
+from gateway.protocols.common import OpenAIRoute
 from gateway.protocols.openai.types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,7 +28,7 @@ from gateway.protocols.openai.types import (
 )
 from gateway.routes.generate import GENERATE_DOC, generate, session_of
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], route_class=OpenAIRoute)
 
 
 def _vocab(gw: Gateway, body: ChatCompletionRequest | CompletionRequest) -> Any:

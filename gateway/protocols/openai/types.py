@@ -20,6 +20,7 @@ from engines.base import MAX_TOP_LOGPROBS
 from gateway.core.sampling import Asked
 from gateway.errors import BadRequest, invalid_input
 from gateway.limits import MAX_GENERATIONS, MAX_INT32, CheckedBody, Int, Num, TokenCount, TokenId
+from gateway.protocols.common import UNCONSTRAINED
 
 
 class _Open(BaseModel):
@@ -76,6 +77,10 @@ class StreamOptions(_Open):
     include_usage: StrictBool = False
 
 
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+"""vLLM's constrained-decoding extensions."""
+
+
 class _Sampling(_Open, CheckedBody):
     model: str | None = None
     n: Int = Field(1, ge=1, le=MAX_GENERATIONS)
@@ -91,6 +96,23 @@ class _Sampling(_Open, CheckedBody):
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+    """`{"type": "text"}` only: a JSON schema or JSON mode is a 400 (`UNCONSTRAINED`)."""
+
+    @model_validator(mode="after")
+    def _nothing_asks_for_constrained_decoding(self) -> Self:
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            what = "your JSON schema" if kind == "json_schema" else "JSON"
+            raise invalid_input(
+                f"response_format {kind!r}: "
+                + UNCONSTRAINED.format(what=what, param="response_format"),
+                "response_format",
+            )
+        for name in _GUIDED:
+            if (self.model_extra or {}).get(name) is not None:
+                raise invalid_input(f"{name}: " + UNCONSTRAINED.format(what="it", param=name), name)
+        return self
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -14,10 +14,11 @@ from fastapi.responses import Response
 from gateway.auth import resolve
 from gateway.deps import GatewayDep
 from gateway.errors import NotFound, error_docs
+from gateway.protocols.common import OpenAIRoute
 from gateway.protocols.responses.types import ResponseObject, ResponsesRequest, tools_of
 from gateway.routes.generate import GENERATE_DOC, generate, left_out_headers, session_of
 
-router = APIRouter(tags=["responses"])
+router = APIRouter(tags=["responses"], route_class=OpenAIRoute)
 
 
 @router.post("/v1/responses", responses=GENERATE_DOC)
@@ -34,7 +35,7 @@ async def create_response(gw: GatewayDep, request: Request, body: ResponsesReque
     )
 
 
-@router.get("/v1/responses/{response_id}", responses=error_docs(401, 403, 404, 422, 500))
+@router.get("/v1/responses/{response_id}", responses=error_docs(401, 403, 404, 500))
 async def get_response(gw: GatewayDep, request: Request, response_id: str) -> ResponseObject:
     caller = await resolve(request, gw.sessions, gw.settings.admin_token, session_of(request))
     # the admin outside a session sees every kept response; any other caller its session's

@@ -17,16 +17,17 @@ finds the exact earlier tokens again (`gateway.protocols.responses.adapter`).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from engines.base import MAX_TOP_LOGPROBS
 from gateway.core.chat_render import Message, Tools, function_tool
 from gateway.core.reasoning_parsers import unseal_reasoning
 from gateway.core.turn_types import ToolChoice, ToolMode
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, invalid_input
 from gateway.limits import CheckedBody, Int, Num, TokenCount
+from gateway.protocols.common import UNCONSTRAINED
 
 
 class ResponseObject(BaseModel):
@@ -71,6 +72,27 @@ class ResponsesRequest(_Open, CheckedBody):
     """vLLM's extension, as on chat completions: the same seed reproduces the reply."""
     ignore_eos: StrictBool = False
     """vLLM's extension, as on chat completions: do not stop at the model's end token."""
+    text: dict[str, Any] | None = None
+    """`{"format": {"type": "text"}}` only: a JSON schema or JSON mode is a 400."""
+    conversation: str | dict[str, Any] | None = None
+    """Not served: a 400 (the history it names would be lost)."""
+
+    @model_validator(mode="after")
+    def _served(self) -> Self:
+        kind = ((self.text or {}).get("format") or {}).get("type", "text")
+        if kind != "text":
+            what = "your JSON schema" if kind == "json_schema" else "JSON"
+            raise invalid_input(
+                f"text.format {kind!r}: " + UNCONSTRAINED.format(what=what, param="text.format"),
+                "text.format",
+            )
+        if self.conversation is not None:
+            raise invalid_input(
+                "conversation: conversations are not kept here, so the history it names would be "
+                "lost; send the history in input, or chain responses with previous_response_id",
+                "conversation",
+            )
+        return self
 
 
 # -- tools ------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ here loudly.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -130,10 +131,10 @@ async def test_bad_text_in_admin_bodies_is_refused(gw: Gw) -> None:
         ("temperature", 1e308, "temperature", "2"),
     ],
 )
-async def test_sampling_values_out_of_range_are_422_naming_the_limit(
+async def test_sampling_values_out_of_range_are_400_naming_the_limit(
     gw: Gw, field: str, value: Any, param: str, limit: str
 ) -> None:
-    refused(await gw.chat(**{field: value}), 422, param, limit)
+    refused(await gw.chat(**{field: value}), 400, param, limit)
     assert await gw.recorded() == []
     await gw.still_serves()
 
@@ -179,16 +180,16 @@ async def test_completions_make_at_most_16_generations_a_request(gw: Gw) -> None
     ],
 )
 async def test_lax_types_are_refused(gw: Gw, field: str, value: Any) -> None:
-    refused(await gw.chat(**{field: value}), 422, field)
+    refused(await gw.chat(**{field: value}), 400, field)
     assert await gw.recorded() == []
     await gw.still_serves()
 
 
 async def test_completion_logprobs_is_a_count_not_a_boolean(gw: Gw) -> None:
     r = await gw.post("completions", {"prompt": "x", "logprobs": True, "max_tokens": 1})
-    refused(r, 422, "logprobs")
+    refused(r, 400, "logprobs")
     r = await gw.post("completions", {"prompt": "x", "echo": "false", "max_tokens": 1})
-    refused(r, 422, "echo")
+    refused(r, 400, "echo")
     assert await gw.recorded() == []
     r = await gw.post("completions", {"prompt": "x", "logprobs": 2, "max_tokens": 1})
     assert r.status_code == 200, r.text
@@ -240,6 +241,97 @@ async def test_a_tool_message_without_its_call_is_a_400(
         {"role": "tool", "tool_call_id": "call_2", "content": "6"},
     ]
     r = await gw.post("chat/completions", {"messages": answered, "tools": [TOOL], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+# -- what is not served is said, never quietly ignored -------------------------------------------
+
+REFUSING_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('System messages are only allowed at the beginning of the conversation') }}"
+    "{%- endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+"""Mistral's and Gemma's way: a system message after the first is an error of the template's."""
+
+
+async def test_a_template_that_refuses_the_messages_is_a_400_in_its_words(
+    engine: LocalEngine,  # noqa: F811
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """Codex's layout (instructions, then a developer message) on a template that allows one
+    system message: a 400 with the template's words, recorded nowhere; not a 500 SDKs retry."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "chat_template.jinja").write_text(REFUSING_TEMPLATE)
+    async with edge_app(engine, model, tmp_path) as g:
+        words = "System messages are only allowed at the beginning"
+        late = [*USER, {"role": "system", "content": "be brief"}]
+        refused(await g.post("chat/completions", {"messages": late}), 400, "messages", words)
+        codex = {
+            "instructions": "You are a coding agent.",
+            "input": [
+                {"role": "developer", "content": "Sandbox: read-only."},
+                {"role": "user", "content": "hello"},
+            ],
+        }
+        refused(await g.post("responses", codex), 400, "messages", words)
+        assert await g.recorded() == []
+        await g.still_serves()
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            "chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        ("chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("completions", {"guided_regex": "[0-9]+"}, "guided_regex"),
+        ("responses", {"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+        ("responses", {"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ("responses", {"conversation": "conv_123"}, "conversation"),
+    ],
+)
+async def test_what_is_not_served_is_a_400_naming_it(
+    gw: Gw, route: str, body: dict[str, Any], param: str
+) -> None:
+    """Structured outputs are not constrained yet, and conversations are not kept: a request for
+    either is refused, never answered as if it had been honoured (its reply would be trained)."""
+    ask = {
+        "chat/completions": {"messages": USER, "max_tokens": 2},
+        "completions": {"prompt": "hello", "max_tokens": 2},
+        "responses": {"input": "hello", "max_output_tokens": 2},
+    }[route]
+    refused(await gw.post(route, {**ask, **body}), 400, param, "not")
+    assert await gw.recorded() == []
+    text = {"response_format": {"type": "text"}} if route != "responses" else {"text": {}}
+    r = await gw.post(route, {**ask, **text})
+    assert r.status_code == 200, r.text
+
+
+async def test_structured_outputs_on_messages_are_an_anthropic_400(gw: Gw) -> None:
+    schema = {"type": "json_schema", "schema": {"type": "object"}}
+    ask = {"max_tokens": 2, "messages": USER}
+    for param, extra in (
+        ("output_format", {"output_format": schema}),
+        ("output_config.format", {"output_config": {"format": schema}}),
+    ):
+        r = await gw.post("messages", {**ask, **extra})
+        assert r.status_code == 400, r.text
+        body = r.json()
+        assert body["type"] == "error", body
+        assert body["error"]["message"].startswith(f"{param}: structured outputs are not served")
+    assert await gw.recorded() == []
+    r = await gw.post("messages", {**ask, "output_config": {"effort": "high"}})
     assert r.status_code == 200, r.text
 
 

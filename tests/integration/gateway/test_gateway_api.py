@@ -105,16 +105,16 @@ async def test_errors_are_openai_shaped_and_record_nothing(client: Client) -> No
         "/sessions/sess_nope/v1/chat/completions", json={"messages": USER}, headers=key
     )
     assert_openai_error(r, 404, "sess_nope")
-    # 400: malformed JSON; 422: schema violations
+    # 400: malformed JSON, and schema violations (as OpenAI answers them)
     r = await http.post(
         url, content=b"{not json", headers={**key, "content-type": "application/json"}
     )
     assert_openai_error(r, 400, "not valid JSON")
-    assert_openai_error(await http.post(url, json={"messages": []}, headers=key), 422, "messages")
+    assert_openai_error(await http.post(url, json={"messages": []}, headers=key), 400, "messages")
     r = await http.post(url, json={"messages": USER, "n": 0}, headers=key)
-    assert_openai_error(r, 422, "n")
+    assert_openai_error(r, 400, "n")
     r = await http.post(url, json={"messages": [{"role": "wizard", "content": "x"}]}, headers=key)
-    assert_openai_error(r, 422)
+    assert_openai_error(r, 400)
     r = await http.post(url, json={"messages": USER, "tool_choice": "required"}, headers=key)
     assert_openai_error(r, 400, "tool_choice needs tools")
     # 400: prompt longer than the context, with both lengths
