@@ -2,8 +2,9 @@
 the run (`runs.config`, set by `POST /runs` or by the first `rlgateway train` of the run).
 
 The gateway reads it for admission (`eta`, `batch_size`, `max_concurrent`), for the returns it
-reports (`discount`), for the sampling contract (`temperature`, `client_sampling`) and for the
-turn budget (`max_tokens`); the trainer's `TrainConfig` extends it, so the trainer trains under
+reports (`discount`), for the sampling contract (`temperature`, `client_sampling`), for the
+turn budget (`max_tokens`), for late rewards and for media parts in messages (`media`); the
+trainer's `TrainConfig` extends it, so the trainer trains under
 the same values. Torch-free and trainer-free: the gateway imports it.
 
 **The sampling contract** (`client_sampling`). The trainer recomputes the logprob of every trained
@@ -70,6 +71,11 @@ class RunConfig(BaseModel):
     late_rewards: Literal["refuse", "record"] = "refuse"
     """A reward for a session the trainer already settled (trained, dropped): `refuse` answers
     409; `record` keeps it for export only, flagged, and it is never trained."""
+    media: Literal["refuse", "placeholder"] = "refuse"
+    """An image, document, file or audio part in a request's messages (the model reads text):
+    `refuse` answers 400 naming the part; `placeholder` renders it as `[image omitted]` (and the
+    like), recorded as context, so that an agent that read a picture goes on
+    (`gateway.core.media`)."""
 
 
 RUN_FIELDS: tuple[str, ...] = tuple(RunConfig.model_fields)

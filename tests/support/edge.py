@@ -61,8 +61,10 @@ class Gw:
 
 
 @asynccontextmanager
-async def edge_app(engine: LocalEngine, tiny_model: Path, tmp_path: Path) -> AsyncIterator[Gw]:
-    """The app on `engine` with a 64 KiB body limit, one run and one session."""
+async def edge_app(
+    engine: LocalEngine, tiny_model: Path, tmp_path: Path, config: dict[str, Any] | None = None
+) -> AsyncIterator[Gw]:
+    """The app on `engine` with a 64 KiB body limit, one run (with `config`) and one session."""
     store = await Store.connect(f"sqlite:///{tmp_path / 'bad.db'}")
     components = tiny_components(engine, store, tiny_model)
     app = create_app(
@@ -75,7 +77,9 @@ async def edge_app(engine: LocalEngine, tiny_model: Path, tmp_path: Path) -> Asy
                 transport=transport, base_url="http://gw", timeout=60
             ) as http:
                 g = Gw(http, store)
-                r = await http.post("/runs", json={"name": "bad", "config": {}}, headers=ADMIN)
+                r = await http.post(
+                    "/runs", json={"name": "bad", "config": config or {}}, headers=ADMIN
+                )
                 g.run = r.json()
                 r = await http.post(f"/runs/{g.run['id']}/sessions", json={}, headers=ADMIN)
                 g.s = r.json()["sessions"][0]

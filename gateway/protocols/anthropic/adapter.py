@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gateway.core.choices import EventStream
+from gateway.core.media import Media, media_of
 from gateway.core.reasoning_parsers import seal_reasoning
 from gateway.core.sampling import Asked
 from gateway.core.turn import TurnCore
@@ -39,11 +40,11 @@ from store.types import JSON
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
 
 
-def messages_prompt(body: CountTokensRequest) -> ChatPrompt:
+def messages_prompt(body: CountTokensRequest, media: Media = "refuse") -> ChatPrompt:
     """A last assistant message is the start of the reply (a prefill): the reply continues it."""
     tools = tools_of(body.tools).callable
     choice = tool_choice_of(body.tool_choice, {t["function"]["name"] for t in tools})
-    messages = neutral_messages(body)
+    messages = neutral_messages(body, media)
     last = messages[-1]
     if last["role"] == "assistant" and not last.get("tool_calls"):
         return ChatPrompt(messages[:-1], tools, choice, continues=last["content"])
@@ -54,9 +55,11 @@ class MessagesService:
     def __init__(self, core: TurnCore) -> None:
         self.core = core
 
-    async def count_tokens(self, body: CountTokensRequest) -> TokenCountAnswer:
-        """The prompt's tokens, as a fresh request renders it."""
-        p = messages_prompt(body)
+    async def count_tokens(
+        self, body: CountTokensRequest, run: RunConfig | None = None
+    ) -> TokenCountAnswer:
+        """The prompt's tokens, as a fresh request in the caller's run renders it."""
+        p = messages_prompt(body, media_of(run))
         r = self.core.renderer
         prefill = self.core.prefill(p)
         ids = await asyncio.to_thread(r.prompt, p.messages, p.tools, prefill)
@@ -75,7 +78,7 @@ class MessagesService:
         spec = TurnSpec(
             protocol="messages",
             id_prefix="msg_",
-            prompts=[messages_prompt(body)],
+            prompts=[messages_prompt(body, media_of(run))],
             asked=Asked(
                 temperature=body.temperature,
                 top_p=body.top_p,

@@ -47,5 +47,6 @@ async def create_message(gw: GatewayDep, request: Request, body: MessagesRequest
 async def count_tokens(
     gw: GatewayDep, request: Request, body: CountTokensRequest
 ) -> TokenCountAnswer:
-    await resolve(request, gw.sessions, gw.settings.admin_token, session_of(request))
-    return await gw.messages.count_tokens(body)
+    caller = await resolve(request, gw.sessions, gw.settings.admin_token, session_of(request))
+    run = None if caller.session is None else await gw.run_configs.of(caller.session.run_id)
+    return await gw.messages.count_tokens(body, run)

@@ -23,6 +23,7 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from gateway.core.chat_render import Message, Tools, function_tool
+from gateway.core.media import Media, media_text
 from gateway.core.turn_types import ToolChoice, ToolMode
 from gateway.errors import BadRequest, invalid_input
 from gateway.limits import CheckedBody, Int, Num, TokenCount
@@ -119,7 +120,7 @@ def _block_text(block: dict[str, Any], where: str) -> str:
     return text
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, media: Media = "refuse") -> str:
     if isinstance(content, str):
         return content
     if content is None:
@@ -128,13 +129,16 @@ def _text(content: Any, where: str) -> str:
         raise BadRequest(f"{where} must be a string or a list of text blocks", param=where)
     parts = []
     for i, b in enumerate(content):
-        if not isinstance(b, dict) or b.get("type") != "text":
-            kind = b.get("type") if isinstance(b, dict) else None
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            parts.append(_block_text(b, f"{where}.{i}"))
+        elif (placeholder := media_text(kind, f"{where}.{i}", media)) is not None:
+            parts.append(placeholder)
+        else:
             raise BadRequest(
                 f"{where}.{i}: blocks of type {kind!r} are not supported here: send text",
                 param=f"{where}.{i}",
             )
-        parts.append(_block_text(b, f"{where}.{i}"))
     return "".join(parts)
 
 
@@ -144,7 +148,7 @@ def system_text(system: str | list[dict[str, Any]] | None) -> str:
     return system or ""
 
 
-def neutral_messages(body: CountTokensRequest) -> list[Message]:
+def neutral_messages(body: CountTokensRequest, media: Media = "refuse") -> list[Message]:
     """The request's system prompt and messages as normalized messages. A `tool_result` must
     answer a `tool_use` of the assistant message just before it, by its id."""
     out: list[Message] = []
@@ -154,7 +158,7 @@ def neutral_messages(body: CountTokensRequest) -> list[Message]:
     for i, m in enumerate(body.messages):
         at = f"messages.{i}"
         if m.role == "system":  # the SDK's `SystemMessageParam`: a system turn where it stands
-            out.append({"role": "system", "content": _text(m.content, f"{at}.content")})
+            out.append({"role": "system", "content": _text(m.content, f"{at}.content", media)})
             uses = set()
             continue
         if m.role not in ("user", "assistant"):
@@ -178,6 +182,8 @@ def neutral_messages(body: CountTokensRequest) -> list[Message]:
                 thoughts.append(thought)
             elif kind == "redacted_thinking":
                 continue
+            elif m.role == "user" and (placeholder := media_text(kind, where, media)) is not None:
+                texts.append(placeholder)
             elif kind == "tool_use" and m.role == "assistant":
                 use_id, name, args = b.get("id"), b.get("name"), b.get("input", {})
                 if not isinstance(use_id, str) or not isinstance(name, str):
@@ -195,7 +201,7 @@ def neutral_messages(body: CountTokensRequest) -> list[Message]:
                         f"{sorted(uses) or 'them (there are none)'}",
                         param=f"{where}.tool_use_id",
                     )
-                content = _text(b.get("content"), f"{where}.content")
+                content = _text(b.get("content"), f"{where}.content", media)
                 results.append(
                     {"role": "tool", "content": content, "tool_call_id": call_id_of(use_id)}
                 )

@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.core.chat_render import Message, function_tool
 from gateway.core.choices import EventStream
+from gateway.core.media import Media, media_of, media_text
 from gateway.core.turn import TurnCore
 from gateway.core.turn_run import Turn
 from gateway.core.turn_types import ChatPrompt, Choice, Delta, ToolChoice, TurnSpec
@@ -27,19 +28,23 @@ from store.run_config import RunConfig
 from store.types import JSON
 
 
-def _text(content: Any) -> str:
+def _text(content: Any, where: str, media: Media) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
+    for i, part in enumerate(content):
+        if part.type == "text" and part.text is not None:
+            parts.append(part.text)
+        elif (placeholder := media_text(part.type, f"{where}.{i}", media)) is not None:
+            parts.append(placeholder)
+        else:
             raise BadRequest(
-                f"message content part of type {part.type!r} is not supported: send text parts",
-                param="messages",
+                f"{where}.{i}: content parts of type {part.type!r} are not supported: send text "
+                "parts",
+                param=f"{where}.{i}",
             )
-        parts.append(part.text)
     return "".join(parts)
 
 
@@ -52,12 +57,12 @@ def _arguments(raw: str | dict[str, Any]) -> Any:
         return raw
 
 
-def normalize_messages(messages: list[ChatMessage]) -> list[Message]:
+def normalize_messages(messages: list[ChatMessage], media: Media = "refuse") -> list[Message]:
     """Plain, comparable dicts: role, content (text), and tool_calls / tool_call_id / name."""
     out: list[Message] = []
-    for m in messages:
+    for i, m in enumerate(messages):
         msg: Message = {"role": "system" if m.role == "developer" else m.role}
-        msg["content"] = _text(m.content)
+        msg["content"] = _text(m.content, f"messages.{i}.content", media)
         if m.tool_calls:
             msg["tool_calls"] = [
                 {
@@ -88,7 +93,7 @@ def normalize_tools(tools: list[Tool] | None) -> list[dict[str, Any]]:
     ]
 
 
-def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
+def chat_prompt(body: ChatCompletionRequest, media: Media = "refuse") -> ChatPrompt:
     tools = normalize_tools(body.tools)
     choice = body.tool_choice or ("auto" if tools else "none")
     if choice != "none" and not tools:
@@ -106,14 +111,15 @@ def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
     else:
         mode = ToolChoice(choice)
     one = body.parallel_tool_calls is False
-    return ChatPrompt(normalize_messages(body.messages), tools, replace(mode, parallel=not one))
+    messages = normalize_messages(body.messages, media)
+    return ChatPrompt(messages, tools, replace(mode, parallel=not one))
 
 
-def chat_spec(body: ChatCompletionRequest) -> TurnSpec:
+def chat_spec(body: ChatCompletionRequest, media: Media = "refuse") -> TurnSpec:
     return TurnSpec(
         protocol="chat",
         id_prefix="chatcmpl-",
-        prompts=[chat_prompt(body)],
+        prompts=[chat_prompt(body, media)],
         asked=body.asked(
             body.max_completion_tokens or body.max_tokens,
             (body.top_logprobs or 0) if body.logprobs else 0,
@@ -142,7 +148,7 @@ class ChatService:
         generated (`TurnCore.start`)."""
         respond = _Respond(body)
         turn = await self.core.start(
-            chat_spec(body), session_id, run=run, retry=retry, respond=respond.choice
+            chat_spec(body, media_of(run)), session_id, run=run, retry=retry, respond=respond.choice
         )
         if body.stream:
             return EventStream(_stream(turn, body), turn.close)

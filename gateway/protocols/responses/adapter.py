@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.core.choices import ChoiceRun, EventStream
+from gateway.core.media import media_of
 from gateway.core.reasoning_parsers import seal_reasoning
 from gateway.core.sampling import Asked
 from gateway.core.turn import TurnCore
@@ -80,7 +81,9 @@ class ResponsesService:
         calls = tool_choice_of(body.tool_choice, {t["function"]["name"] for t in tools})
         calls = replace(calls, parallel=body.parallel_tool_calls is not False)
         messages = input_messages(
-            body.input, open_calls=frozenset() if prior is None else prior.open_calls
+            body.input,
+            open_calls=frozenset() if prior is None else prior.open_calls,
+            media=media_of(run),
         )
         history = [] if prior is None else prior.conversation
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []

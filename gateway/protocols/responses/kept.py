@@ -36,8 +36,10 @@ def conversation_of(
     prior: list[Message], open_calls: frozenset[str], items: Any, output: list[JSON]
 ) -> list[Message]:
     """The conversation after a response: what came before (leaving `open_calls` for its input
-    to answer), its input items, its output."""
-    return [*prior, *input_messages(items, open_calls=open_calls), *input_messages(output)]
+    to answer), its input items, its output. A media part among its input items was accepted
+    (the run renders them as placeholders, or it would have been refused): it renders so again."""
+    given = input_messages(items, open_calls=open_calls, media="placeholder")
+    return [*prior, *given, *input_messages(output)]
 
 
 def open_calls_of(output: list[JSON]) -> frozenset[str]:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from engines.base import MAX_TOP_LOGPROBS
 from gateway.core.chat_render import Message, Tools, function_tool
+from gateway.core.media import Media, media_text
 from gateway.core.reasoning_parsers import unseal_reasoning
 from gateway.core.turn_types import ToolChoice, ToolMode
 from gateway.errors import BadRequest, invalid_input
@@ -126,7 +127,7 @@ def tools_of(tools: list[dict[str, Any]] | None) -> Tools:
 # -- input items ------------------------------------------------------------------------------
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, media: Media = "refuse") -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -136,6 +137,9 @@ def _text(content: Any, where: str) -> str:
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if (placeholder := media_text(kind, f"{where}.{i}", media)) is not None:
+            parts.append(placeholder)
+            continue
         if kind not in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
             raise BadRequest(
                 f"{where}.{i}: content of type {kind!r} is not supported: send text parts",
@@ -170,7 +174,10 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
 
 
 def input_messages(
-    items: str | list[dict[str, Any]], *, open_calls: frozenset[str] = frozenset()
+    items: str | list[dict[str, Any]],
+    *,
+    open_calls: frozenset[str] = frozenset(),
+    media: Media = "refuse",
 ) -> list[Message]:
     """The input items as normalized messages. A `function_call_output` must answer a
     `function_call` of the assistant turn before it (by `call_id`; `open_calls` are those of the
@@ -198,7 +205,7 @@ def input_messages(
                 raise BadRequest(
                     f"{at}.role must be user, assistant, system or developer", param=f"{at}.role"
                 )
-            content = _text(item.get("content"), f"{at}.content")
+            content = _text(item.get("content"), f"{at}.content", media)
             out.append(
                 assistant(content) if role == "assistant" else {"role": role, "content": content}
             )
@@ -231,7 +238,7 @@ def input_messages(
                     param=f"{at}.call_id",
                 )
             output = item.get("output")
-            text = output if isinstance(output, str) else _text(output, f"{at}.output")
+            text = output if isinstance(output, str) else _text(output, f"{at}.output", media)
             out.append({"role": "tool", "content": text, "tool_call_id": call_id})
         elif kind == "reasoning":
             reasoning = _reasoning_text(item, at)
