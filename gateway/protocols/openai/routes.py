@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from gateway.auth import resolve
 from gateway.deps import Gateway, GatewayDep
-from gateway.errors import error_docs
+from gateway.errors import NotFound, error_docs
 from gateway.protocols.common import OpenAIRoute
 from gateway.protocols.openai.types import (
     ChatCompletionRequest,
@@ -56,3 +56,16 @@ async def completions(gw: GatewayDep, request: Request, body: CompletionRequest)
 async def models(gw: GatewayDep, request: Request) -> ModelList:
     await resolve(request, gw.sessions, gw.settings.admin_token, session_of(request))
     return ModelList(data=[Model(id=gw.components.model_name, created=int(time.time()))])
+
+
+@router.get("/v1/models/{model_id:path}", responses=error_docs(401, 404, 500))
+async def model(gw: GatewayDep, request: Request, model_id: str) -> Model:
+    """The served model by its id (ids may hold slashes, as `org/name` does); any other is 404,
+    as OpenAI answers an unknown model."""
+    await resolve(request, gw.sessions, gw.settings.admin_token, session_of(request))
+    if model_id != gw.components.model_name:
+        raise NotFound(
+            f"the model {model_id!r} does not exist here: this gateway serves "
+            f"{gw.components.model_name!r} (GET /v1/models lists it)"
+        )
+    return Model(id=model_id, created=int(time.time()))

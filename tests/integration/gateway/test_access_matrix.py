@@ -83,6 +83,7 @@ def cases(a: str, sa: str, rid: str) -> list[Case]:
         Case("GET", f"/runs/{a}/export", RUN),
         Case("GET", f"/sessions/{sa}", SESSION),
         Case("GET", f"/sessions/{sa}/v1/models", SESSION),
+        Case("GET", f"/sessions/{sa}/v1/models/tiny", SESSION),
         Case("POST", f"/sessions/{sa}/v1/chat/completions", SESSION, CHAT),
         Case("POST", f"/sessions/{sa}/v1/completions", SESSION, {"prompt": "ab", "max_tokens": 2}),
         Case("POST", f"/sessions/{sa}/v1/responses", SESSION, RESPONSE),
@@ -112,6 +113,7 @@ def expected(case: Case, who: str) -> int:
 
 def route_key(method: str, path: str, a: str, sa: str, rid: str) -> tuple[str, str]:
     path = path.replace(a, "{run_id}").replace(sa, "{session_id}")
+    path = path.replace("/v1/models/tiny", "/v1/models/{model_id}")
     return method, path.replace(rid, "{response_id}")
 
 
@@ -145,6 +147,7 @@ async def test_every_route_for_every_kind_of_key(
             ("POST", "/v1/chat/completions"),
             ("POST", "/v1/completions"),
             ("GET", "/v1/models"),
+            ("GET", "/v1/models/{model_id}"),
             ("POST", "/v1/responses"),
             ("GET", "/v1/responses/{response_id}"),
             ("POST", "/v1/messages"),
@@ -166,6 +169,9 @@ async def test_every_route_for_every_kind_of_key(
                 assert r.status_code == want, (path, who, r.text)
         for who, want in (("none", 401), ("run_a", 403), ("session_b", 404), ("admin", 200)):
             r = await c.http.get(f"/v1/responses/{rid}", headers=keys[who])
+            assert r.status_code == want, (who, r.text)
+        for who, want in (("none", 401), ("run_a", 403), ("session_b", 200), ("admin", 200)):
+            r = await c.http.get("/v1/models/tiny", headers=keys[who])
             assert r.status_code == want, (who, r.text)
         before = len(
             (await c.http.get(f"/sessions/{sess_b['id']}", headers=ADMIN)).json()["segments"]

@@ -382,6 +382,9 @@ def test_models_and_legacy_completions(tiny_gw: GatewayHandle, tiny_model: Path)
     with sync_client(s) as client:
         models = client.models.list()
         assert [m.id for m in models.data] == [tiny_model.name]
+        assert client.models.retrieve(tiny_model.name).id == tiny_model.name
+        with pytest.raises(openai.NotFoundError, match="serves"):
+            client.models.retrieve("gpt-4o")
         r = client.completions.create(model=tiny_model.name, prompt="abc", max_tokens=5, seed=2)
     assert r.object == "text_completion"
     assert len(r.choices) == 1
