@@ -74,6 +74,13 @@ class Turn:
     # -- results -----------------------------------------------------------------------------
 
     @property
+    def model(self) -> str:
+        """The model name the answer gives: the one the client asked for (as a proxy echoes it;
+        the gateway serves one model whatever the name), else the served model's."""
+        asked = self.spec.request.get("model")
+        return asked if isinstance(asked, str) and asked else self.context.model_name
+
+    @property
     def prompt_tokens(self) -> int:
         return sum(len(g.ids) for g in self.groups)
 

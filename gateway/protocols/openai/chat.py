@@ -157,7 +157,7 @@ class ChatService:
             "id": turn.id,
             "object": "chat.completion",
             "created": turn.created,
-            "model": turn.context.model_name,
+            "model": turn.model,
             "choices": [respond.choice(turn, c) for c in choices],
             "usage": usage_of(turn),
             "system_fingerprint": None,

@@ -74,7 +74,7 @@ class CompletionService:
             "id": turn.id,
             "object": "text_completion",
             "created": turn.created,
-            "model": turn.context.model_name,
+            "model": turn.model,
             "choices": [respond.choice(turn, c) for c in choices],
             "usage": usage_of(turn),
         }

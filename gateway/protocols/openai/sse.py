@@ -74,7 +74,7 @@ async def sse_stream(
             obj,
             id=turn.id,
             created=turn.created,
-            model=turn.context.model_name,
+            model=turn.model,
             choices=choices,
             usage=usage,
         )

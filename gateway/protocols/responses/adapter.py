@@ -338,7 +338,7 @@ class _Shape:
             "incomplete_details": None,
             "instructions": b.instructions,
             "max_output_tokens": b.max_output_tokens,
-            "model": turn.context.model_name,
+            "model": turn.model,
             "output": output,
             "parallel_tool_calls": True if b.parallel_tool_calls is None else b.parallel_tool_calls,
             "previous_response_id": b.previous_response_id,

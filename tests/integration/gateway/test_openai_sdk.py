@@ -38,7 +38,7 @@ def test_sync_chat_response_and_logprobs_match_the_recording(tiny_gw: GatewayHan
     s = tiny_gw.new_session()
     with sync_client(s) as client:
         r = client.chat.completions.create(
-            model="tiny",
+            model="my-policy",  # any name: the gateway serves its one model, echoing the name
             messages=[user("Tell me something.")],
             max_tokens=12,
             seed=7,
@@ -47,6 +47,7 @@ def test_sync_chat_response_and_logprobs_match_the_recording(tiny_gw: GatewayHan
         )
     assert isinstance(r, ChatCompletion)
     assert r.object == "chat.completion"
+    assert r.model == "my-policy"
     assert r.id.startswith("chatcmpl-")
     assert len(r.choices) == 1
     choice = r.choices[0]
