@@ -65,6 +65,7 @@ class ChatRenderer:
         tools: list[dict[str, Any]] | None,
         *,
         add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The template's text. A template that refuses the messages (Mistral's and Gemma's raise
         on a system message after the first, for one) is the client's 400 with the template's
@@ -75,6 +76,7 @@ class ChatRenderer:
                 tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
+                **(template_kwargs or {}),
             )
         except TemplateError as exc:
             raise BadRequest(
@@ -90,10 +92,17 @@ class ChatRenderer:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def prompt(
-        self, messages: list[Message], tools: list[dict[str, Any]] | None, prefill: str = ""
+        self,
+        messages: list[Message],
+        tools: list[dict[str, Any]] | None,
+        prefill: str = "",
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a fresh prompt: the rendered messages and the generation prompt."""
-        return self.encode(self.render(messages, tools, add_generation_prompt=True) + prefill)
+        text = self.render(
+            messages, tools, add_generation_prompt=True, template_kwargs=template_kwargs
+        )
+        return self.encode(text + prefill)
 
     def continuation(
         self,
@@ -102,6 +111,7 @@ class ChatRenderer:
         messages: list[Message],
         tools: list[dict[str, Any]] | None,
         prefill: str = "",
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int] | None:
         """The prompt that continues a segment whose transcript `messages` extends: the segment's
         exact tokens, the end-of-turn glue, and the new messages rendered. None when the new
@@ -112,7 +122,7 @@ class ChatRenderer:
         earlier turns once more messages follow (Qwen3 drops the reasoning of turns before the
         last user message), it is what follows the end of that last turn in the full rendering;
         the segment keeps its exact tokens either way, as they were sampled."""
-        suffix = self._new_suffix(transcript, messages, tools)
+        suffix = self._new_suffix(transcript, messages, tools, template_kwargs or {})
         if suffix is None:
             return None
         glue = self.assistant_tail
@@ -124,12 +134,16 @@ class ChatRenderer:
         return segment_tokens + self.encode(glue + suffix + prefill)
 
     def _new_suffix(
-        self, transcript: list[Message], messages: list[Message], tools: list[dict[str, Any]] | None
+        self,
+        transcript: list[Message],
+        messages: list[Message],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
     ) -> str | None:
         """The rendering of `messages[len(transcript):]` and the generation prompt, as the
         template writes them after the transcript's last turn (an assistant reply)."""
-        before = self.render(transcript, tools, add_generation_prompt=False)
-        full = self.render(messages, tools, add_generation_prompt=True)
+        before = self.render(transcript, tools, add_generation_prompt=False, template_kwargs=kwargs)
+        full = self.render(messages, tools, add_generation_prompt=True, template_kwargs=kwargs)
         if not before.endswith(self.assistant_tail):
             return None
         if full.startswith(before):
@@ -141,7 +155,7 @@ class ChatRenderer:
             return None
         marked = [*messages[:k], {**messages[k], "content": _SENTINEL}, *messages[k + 1 :]]
         marked[k].pop("reasoning_content", None)
-        text = self.render(marked, tools, add_generation_prompt=True)
+        text = self.render(marked, tools, add_generation_prompt=True, template_kwargs=kwargs)
         at = text.find(_SENTINEL)
         end = -1 if at < 0 else text.find(self.assistant_tail, at + len(_SENTINEL))
         if end < 0 or text.count(_SENTINEL) != 1:

@@ -72,8 +72,16 @@ class SessionState:
             self.segments.remove(seg)
 
 
-def chat_transcript(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Transcript:
-    return {"kind": "chat", "messages": messages, "tools": tools}
+def chat_transcript(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
+) -> Transcript:
+    """What a chat turn was rendered from (the template's variables only when it had some)."""
+    out: Transcript = {"kind": "chat", "messages": messages, "tools": tools}
+    if template_kwargs:
+        out["template_kwargs"] = template_kwargs
+    return out
 
 
 def same_message(recorded: dict[str, Any], sent: dict[str, Any]) -> bool:
@@ -91,27 +99,37 @@ def _same(recorded: list[dict[str, Any]], sent: list[dict[str, Any]]) -> bool:
 
 
 def extends(
-    transcript: Transcript | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    transcript: Transcript | None,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
 ) -> bool:
-    """The request's messages start with the transcript's, with the same tools."""
+    """The request's messages start with the transcript's, with the same tools and template
+    variables."""
     if transcript is None or transcript.get("kind") != "chat":
         return False
     prior = transcript["messages"]
     return (
         transcript["tools"] == tools
+        and transcript.get("template_kwargs", {}) == (template_kwargs or {})
         and len(prior) < len(messages)
         and _same(prior, messages[: len(prior)])
     )
 
 
 def repeats(
-    transcript: Transcript | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    transcript: Transcript | None,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
 ) -> bool:
-    """The request's messages and tools are those the transcript's last reply answered."""
+    """The request's messages, tools and template variables are those the transcript's last
+    reply answered."""
     if transcript is None or transcript.get("kind") != "chat":
         return False
     prior: list[dict[str, Any]] = transcript["messages"]
-    return bool(transcript["tools"] == tools and _same(prior[:-1], messages))
+    same_vars = transcript.get("template_kwargs", {}) == (template_kwargs or {})
+    return bool(transcript["tools"] == tools and same_vars and _same(prior[:-1], messages))
 
 
 def repeats_tokens(seg: LiveSegment, last: LastTurn, prompt_ids: list[int]) -> bool:

@@ -224,7 +224,9 @@ class TurnCore:
             choose = functools.partial(_choose_tokens, ids, given, retry)
         else:
             r = self.renderer
-            fresh = functools.partial(r.prompt, prompt.messages, prompt.tools, prefill)
+            fresh = functools.partial(
+                r.prompt, prompt.messages, prompt.tools, prefill, prompt.template_kwargs
+            )
             choose = functools.partial(_choose_chat, r, prompt, prefill, retry)
         if session_id is None or self.recorder is None:
             return await asyncio.to_thread(fresh), None
@@ -250,7 +252,7 @@ def _choose_chat(
     for seg in reversed(segments):
         transcript = seg.transcript
         assert transcript is not None
-        if extends(transcript, prompt.messages, prompt.tools):
+        if extends(transcript, prompt.messages, prompt.tools, prompt.template_kwargs):
             render = functools.partial(
                 r.continuation,
                 seg.tokens,
@@ -258,6 +260,7 @@ def _choose_chat(
                 prompt.messages,
                 prompt.tools,
                 prefill,
+                prompt.template_kwargs,
             )
             return Match(seg, render)
         last = seg.replaceable(retry=retry)
@@ -268,6 +271,6 @@ def _choose_chat(
 
 def _repeats(seg: LiveSegment, last: LastTurn, prompt: ChatPrompt, prefill: str) -> bool:
     """The request is the one `last` answered, so its prompt is `last`'s."""
-    return repeats(seg.transcript, prompt.messages, prompt.tools) and (
+    return repeats(seg.transcript, prompt.messages, prompt.tools, prompt.template_kwargs) and (
         recorded_prefill(last.request) == prefill
     )

@@ -177,7 +177,7 @@ class Turn:
                 }
                 for c in choice.tool_calls
             ]
-        return chat_transcript([*prompt.messages, reply], prompt.tools)
+        return chat_transcript([*prompt.messages, reply], prompt.tools, prompt.template_kwargs)
 
     async def _commit(self, aborted: bool) -> None:
         recorder = self.context.recorder

@@ -56,6 +56,9 @@ class ChatPrompt:
     continues: str = ""
     """The start of the reply, written by the client (an Anthropic prefill): part of the prompt
     and of the reply's text, never sent back to the client."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Variables for the chat template (chat's `chat_template_kwargs`: `enable_thinking`, ...);
+    a segment continues only under the same ones."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,9 +25,11 @@ BIG = 2**64
 class Gw:
     """The app, its store, and one run with one session."""
 
-    def __init__(self, http: httpx.AsyncClient, store: Store) -> None:
+    def __init__(self, http: httpx.AsyncClient, store: Store, model_dir: Path) -> None:
         self.http = http
         self.store = store
+        self.model_dir = model_dir
+        """The model directory whose tokenizer (and chat template) the app renders with."""
         self.run: dict[str, Any] = {}
         self.s: dict[str, Any] = {}
 
@@ -76,7 +78,7 @@ async def edge_app(
             async with httpx.AsyncClient(
                 transport=transport, base_url="http://gw", timeout=60
             ) as http:
-                g = Gw(http, store)
+                g = Gw(http, store, tiny_model)
                 r = await http.post(
                     "/runs", json={"name": "bad", "config": config or {}}, headers=ADMIN
                 )

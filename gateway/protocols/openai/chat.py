@@ -112,7 +112,8 @@ def chat_prompt(body: ChatCompletionRequest, media: Media = "refuse") -> ChatPro
         mode = ToolChoice(choice)
     one = body.parallel_tool_calls is False
     messages = normalize_messages(body.messages, media)
-    return ChatPrompt(messages, tools, replace(mode, parallel=not one))
+    variables = body.chat_template_kwargs or {}
+    return ChatPrompt(messages, tools, replace(mode, parallel=not one), template_kwargs=variables)
 
 
 def chat_spec(body: ChatCompletionRequest, media: Media = "refuse") -> TurnSpec:
