@@ -190,9 +190,14 @@ class ErrorEnvelope:
         headers: dict[str, str] | None = None,
     ) -> JSONResponse:
         status = self.invalid_status if status == 422 else status
-        return JSONResponse(
-            error_body(message, type_, param, code), status_code=status, headers=headers
-        )
+        body = self.error_body(status, message, type_, param, code)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    def error_body(
+        self, status: int, message: str, type_: str, param: str | None, code: str | None
+    ) -> dict[str, Any]:
+        """The body of an error of this `status` (OpenAI's shape here)."""
+        return error_body(message, type_, param, code)
 
 
 class InvalidAs400(ErrorEnvelope):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
@@ -48,19 +47,10 @@ class AnthropicEnvelope(ErrorEnvelope):
     body = AnthropicErrorBody
     invalid_status = 400
 
-    def response(
-        self,
-        status: int,
-        message: str,
-        type_: str,
-        param: str | None,
-        code: str | None,
-        headers: dict[str, str] | None = None,
-    ) -> JSONResponse:
-        status = self.invalid_status if status == 422 else status
-        return JSONResponse(
-            anthropic_error_body(status, message), status_code=status, headers=headers
-        )
+    def error_body(
+        self, status: int, message: str, type_: str, param: str | None, code: str | None
+    ) -> dict[str, Any]:
+        return anthropic_error_body(status, message)
 
 
 class AnthropicRoute(APIRoute):
