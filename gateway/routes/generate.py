@@ -17,6 +17,7 @@ import hashlib
 import inspect
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Annotated, Any, Protocol, TypeVar
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -191,7 +192,11 @@ LEFT_OUT_HEADER = "x-rlgateway-tools-left-out"
 
 
 def left_out_headers(names: list[str]) -> dict[str, str]:
-    return {LEFT_OUT_HEADER: ", ".join(names)} if names else {}
+    """The header naming `names`, each percent-encoded (UTF-8) past printable ASCII and the
+    comma, so that any name a client sends (non-Latin-1, CR/LF) makes a valid header, never a
+    failed answer after its turn was recorded."""
+    safe = "".join(c for c in map(chr, range(0x21, 0x7F)) if c not in ",%")
+    return {LEFT_OUT_HEADER: ", ".join(quote(n, safe=safe) for n in names)} if names else {}
 
 
 class Generation(Protocol):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import unquote
 
 import httpx
 import pytest
@@ -74,6 +75,27 @@ async def test_each_route_answers_errors_in_its_protocols_envelope(gw: Gw, prefi
             else:
                 assert set(body["error"]) == {"message", "type", "param", "code"}, body
     await gw.still_serves()
+
+
+@pytest.mark.parametrize("route", ["messages", "responses"])
+async def test_any_left_out_tool_name_makes_a_valid_header(gw: Gw, route: str) -> None:
+    """Names of tools the model cannot call are named in a header, each percent-encoded where it
+    is not printable ASCII (or holds a comma): a name with CR/LF injects no header, a non-Latin-1
+    one fails nothing, and the answer the turn was recorded for is the one sent."""
+    names = ["网页搜索", "web_search\r\nx-evil: 1", "a,b"]
+    if route == "messages":
+        tools = [{"type": "web_search_20250305", "name": n} for n in names]
+        body = {"max_tokens": 2, "messages": USER, "tools": tools}
+    else:
+        tools = [{"type": "custom", "name": n} for n in names]
+        body = {"max_output_tokens": 2, "input": "hello", "tools": tools}
+    r = await gw.post(route, body)
+    assert r.status_code == 200, r.text
+    assert "x-evil" not in r.headers
+    header = r.headers["x-rlgateway-tools-left-out"]
+    assert header == "%E7%BD%91%E9%A1%B5%E6%90%9C%E7%B4%A2, web_search%0D%0Ax-evil:%201, a%2Cb"
+    assert [unquote(n) for n in header.split(", ")] == names
+    assert await gw.recorded() == [[r.json()["id"]]]
 
 
 async def test_an_unexpected_error_is_an_openai_shaped_500(
