@@ -257,6 +257,8 @@ def test_tools_the_model_cannot_call_are_left_out_and_named_in_a_header(
         )
     assert raw.headers["x-rlgateway-tools-left-out"] == "web_search"
     assert call_of(raw.parse()).name == "add"
+    assert raw.parse().reasoning is not None
+    assert raw.parse().reasoning.summary == "auto"  # the request's settings, echoed
     seg = only_segment(scripted_gw.session(s["id"]))
     start = seg["turn_spans"][0][0]
     assert seg["tokens"][:start] == rendered(
