@@ -61,10 +61,8 @@ async def _command(db: Database, command: str) -> str:
             return f"{current} (head)"
         return f"{current} (head is {head}: run `rlgateway db upgrade`)"
     if command == "upgrade":
+        before, head = await migrate.revisions(db)  # reachable, and a revision it knows
         try:
-            await db.ping()
-            head = migrate.head_revision()
-            before = await migrate.current_revision(db)
             await migrate.upgrade(db)
         finally:
             await db.dispose()

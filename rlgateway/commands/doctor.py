@@ -210,8 +210,9 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     from engines.vllm_launch import default_vllm_python
 
     vllm = args.vllm_python or os.environ.get("RLGATEWAY_VLLM_PYTHON")
-    if vllm is None and default_vllm_python().is_file():
-        vllm = str(default_vllm_python())  # where .ci/vllm-venv.sh puts it
+    venv_python = default_vllm_python()  # where .ci/vllm-venv.sh puts it
+    if vllm is None and venv_python.is_file():
+        vllm = str(venv_python)
     sglang = args.sglang_python or os.environ.get("RLGATEWAY_SGLANG_PYTHON")
     named = bool(args.database_url or os.environ.get("RLGATEWAY_DATABASE_URL"))
     checks: list[Callable[[], Check]] = [
