@@ -9,14 +9,16 @@ message naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -32,7 +34,7 @@ from trainer.backends.config import (
     check_context_attention,
     check_implemented,
 )
-from trainer.parallel.strategy import parse_allocation
+from trainer.parallel.strategy import Allocation, parse_allocation
 
 
 class OptimConfig(OptimizerSettings):
@@ -197,14 +199,17 @@ class TrainConfig(RunConfig):
 
     @field_validator("backend")
     @classmethod
-    def _allocation(cls, text: str) -> str:
+    def _canonical_backend(cls, text: str) -> str:
         """The allocation in canonical form, once it parses and its backend implements it."""
         return str(check_implemented(parse_allocation(text)))
 
+    _algorithm: Any = PrivateAttr(default=None)
+    _allocation: Allocation | None = PrivateAttr(default=None)
+
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
-        algo = self.algorithm_config()  # a bad preset or knob fails at load time
-        allocation = parse_allocation(self.backend)
+        self._resolve()  # a bad preset or knob fails at load time
+        algo, allocation = self.algorithm_config(), self.allocation
         check_context_attention(allocation, self.optim.attention)
         if allocation.backend == "megatron":
             if "attention" in self.optim.model_fields_set:
@@ -255,23 +260,43 @@ class TrainConfig(RunConfig):
             )
         return self
 
-    def algorithm_config(self) -> Any:
+    def _resolve(self) -> None:
+        """`algorithm` with `algo`'s overrides (and the run's max_tokens as Dr.GRPO's default
+        norm_len) as one `AlgorithmConfig`, and `backend` as its `Allocation`: once, when the
+        config is validated (and again by `model_copy`), not at each use."""
         from trainer.algorithms.config import AlgorithmConfig, algorithm_config
 
         overrides = dict(self.algo)
         if self.max_tokens is not None:
             overrides.setdefault("norm_len", self.max_tokens)
         try:
-            return algorithm_config(self.algorithm, **overrides)
+            self._algorithm = algorithm_config(self.algorithm, **overrides)
         except ValidationError as exc:
             # raised as a ValueError, so that pydantic reports it under `algo`, with the knob
             raise ValueError(describe_error(exc, AlgorithmConfig, prefix="algo.")) from None
+        self._allocation = parse_allocation(self.backend)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy, its resolved algorithm and allocation those of its own fields."""
+        copy = super().model_copy(update=update, deep=deep)
+        copy._resolve()
+        return copy
+
+    def algorithm_config(self) -> Any:
+        """The algorithm's settings (`trainer.algorithms.AlgorithmConfig`), resolved once."""
+        return self._algorithm
+
+    @property
+    def allocation(self) -> Allocation:
+        """`backend` parsed: the backend and its parallel strategy."""
+        assert self._allocation is not None
+        return self._allocation
 
     def backend_config(self, model_dir: str) -> BackendConfig:
         """The policy backend's settings: those of the backend that `backend` names, from
         `optim` (and, for archon, `moe`)."""
         o = self.optim
-        allocation = parse_allocation(self.backend)
+        allocation = self.allocation
         settings: dict[str, Any] = dict(
             **o.model_dump(include=set(OptimizerSettings.model_fields)),
             model_dir=model_dir,

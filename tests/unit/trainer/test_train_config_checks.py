@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.algorithms.config import PRESETS
+from trainer.algorithms.config import PRESETS, algorithm_config
 from trainer.config import TrainConfig, load_config
 
 GROUPED = sorted(name for name, p in PRESETS.items() if p.group_baseline != "none")
@@ -56,3 +56,18 @@ def test_max_tokens_is_the_runs() -> None:
     assert run_config_of({"max_tokens": 8, "algorithm": "dapo"}) == RunConfig(max_tokens=8)
     cfg = TrainConfig(run="r", max_tokens=64)
     assert cfg.algorithm_config().norm_len == 64  # the trainer reads the same value
+
+
+def test_the_algorithm_and_the_allocation_are_resolved_once_and_follow_a_copy() -> None:
+    """Resolved when the config is validated (the same object at every use), and again for a
+    copy whose fields differ: a copy never carries its original's algorithm."""
+    cfg = TrainConfig(run="r", algorithm="grpo", backend="fsdp:d2")
+    assert cfg.algorithm_config() is cfg.algorithm_config()
+    assert cfg.allocation.backend == "fsdp"
+    assert cfg.allocation.strategy.data == 2
+    dapo = cfg.model_copy(update={"algorithm": "dapo", "backend": "fsdp:d1"})
+    assert dapo.algorithm_config() == algorithm_config("dapo")
+    assert dapo.algorithm_config() != cfg.algorithm_config()
+    assert dapo.allocation.strategy.data == 1
+    same = cfg.model_copy(update={"run": "other"})
+    assert same.algorithm_config() == cfg.algorithm_config()
