@@ -4,7 +4,6 @@ and the demo."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,6 +12,7 @@ from store import Store
 from trainer.config import TrainConfig
 from trainer.loop import Trainer
 from trainer.publish import WeightPublisher
+from trainer.torch_thread import on_torch_thread
 
 if TYPE_CHECKING:
     from trainer.collective import GroupSink
@@ -39,13 +39,13 @@ async def build_trainer(
     from trainer.backends.registry import build_backend, build_value_backend
 
     algo = cfg.algorithm_config()
-    backend = await asyncio.to_thread(build_backend, cfg.backend_config(str(model_dir)))
+    backend = await on_torch_thread(build_backend, cfg.backend_config(str(model_dir)))
     reference = None
     if algo.needs_reference:
-        reference = await asyncio.to_thread(build_backend, cfg.backend_config(str(model_dir)))
+        reference = await on_torch_thread(build_backend, cfg.backend_config(str(model_dir)))
     critic = None
     if algo.use_critic:
-        critic = await asyncio.to_thread(
+        critic = await on_torch_thread(
             build_value_backend, cfg.critic_backend_config(str(model_dir))
         )
     trainer = Trainer(

@@ -58,6 +58,7 @@ from trainer.sequences import (
     with_gae,
 )
 from trainer.stats import merge_stats
+from trainer.torch_thread import on_torch_thread
 from trainer.weights import ShardedWeights, serve_weight_passes
 
 log = logging.getLogger(__name__)
@@ -140,9 +141,9 @@ class Trainer:
         found = checkpoint.latest(self.root)
         if found is not None:
             path, meta = found
-            await asyncio.to_thread(self.backend.load, path)
+            await on_torch_thread(self.backend.load, path)
             if self.critic is not None and self.algo.use_critic:
-                await asyncio.to_thread(checkpoint.load_critic, path, self.critic)
+                await on_torch_thread(checkpoint.load_critic, path, self.critic)
             self.step, self.version = meta.step, meta.policy_version
         if not self.is_leader:
             serve_weight_passes(self.backend)  # rank 0's republish below reads them from all
@@ -179,7 +180,7 @@ class Trainer:
         served = await self.publisher.served() if self.publisher is not None else None
         if kept is None:
             kept = lineage.Lineage(start=served if found is None and served is not None else 0)
-            await asyncio.to_thread(lineage.save, self.root, kept)
+            await on_torch_thread(lineage.save, self.root, kept)
         self.lineage = kept
         if found is None:
             self.version = kept.start
@@ -189,7 +190,7 @@ class Trainer:
         if served > self.version:
             target = served + 1
             self.lineage.alias(target, self.version)
-            await asyncio.to_thread(lineage.save, self.root, self.lineage)
+            await on_torch_thread(lineage.save, self.root, self.lineage)
         self.version = await self.publisher.publish(weights, target)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -366,12 +367,12 @@ class Trainer:
         cfg, algo = self.cfg, self.algo
         prox = ref = None
         if algo.needs_proximal:
-            prox = await asyncio.to_thread(
+            prox = await on_torch_thread(
                 self.backend.forward_logprobs, seqs, cfg.temperature, token_budget=cfg.token_budget
             )
         if algo.needs_reference:
             assert self.reference is not None
-            ref = await asyncio.to_thread(
+            ref = await on_torch_thread(
                 self.reference.forward_logprobs,
                 seqs,
                 cfg.temperature,
@@ -399,7 +400,7 @@ class Trainer:
             return with_advantages(seqs, algo, kl, built.discounts), stats
         assert self.critic is not None
         assert built.token_rewards is not None
-        values = await asyncio.to_thread(
+        values = await on_torch_thread(
             self.critic.forward_values, seqs, token_budget=self.cfg.token_budget
         )
         seqs = with_gae(seqs, built.token_rewards, values, algo, kl, built.discounts)
@@ -426,7 +427,7 @@ class Trainer:
             n_tokens = sum(s.num_loss_tokens for s in chosen)
             norm = loss_normalizer(algo.agg, num_tokens=n_tokens, num_seqs=len(chosen))
             last = k == total - 1
-            stats = await asyncio.to_thread(
+            stats = await on_torch_thread(
                 self.backend.train_step,
                 chosen,
                 self.loss_fn,
@@ -437,7 +438,7 @@ class Trainer:
                 step_schedule=last,
             )
             if self.critic is not None and algo.use_critic:
-                value = await asyncio.to_thread(
+                value = await on_torch_thread(
                     self.critic.train_step,
                     chosen,
                     self.value_loss_fn,
@@ -509,7 +510,7 @@ class Trainer:
         dropped = _dropped_outcomes(built)
         saved = None
         if step % cfg.checkpoint_every == 0 or step >= cfg.max_steps:
-            saved = await asyncio.to_thread(
+            saved = await on_torch_thread(
                 checkpoint.save,
                 self.root,
                 backend,

@@ -24,6 +24,7 @@ from typing import Protocol
 
 from engines.base import Engine, WeightUpdate
 from engines.weights import save_shards
+from trainer.torch_thread import on_torch_thread
 from trainer.weights import Weights, gather_all
 
 
@@ -45,7 +46,7 @@ class LocalPublisher:
     async def publish(self, weights: Weights, version: int) -> int:
         if version == self.engine.version():
             return version
-        state_dict = await asyncio.to_thread(gather_all, weights)
+        state_dict = await on_torch_thread(gather_all, weights)
         return await self.engine.update_weights(
             WeightUpdate(state_dict=state_dict, version=version)
         )
@@ -130,7 +131,7 @@ class DiskPublisher:
     async def publish(self, weights: Weights, version: int) -> int:
         out = self.directory / f"v{version}"
         shards = weights.buckets(self.bucket_bytes)
-        await asyncio.to_thread(save_shards, shards, out, self.model_dir)
+        await on_torch_thread(save_shards, shards, out, self.model_dir)
         body = await self.admin.call(
             "POST", "/admin/weights", json={"path": str(out.resolve()), "version": version}
         )
