@@ -8,7 +8,9 @@ tokenization (docs/architecture.md, "Contracts": token truth).
 Behaviour logprob: the log-probability of the sampled token under the distribution it was sampled
 from, `log_softmax(logits / temperature)`, *before* top-p/top-k truncation and before min-token
 masking, which is what the trainer recomputes. With temperature 0 (greedy) it is
-`log_softmax(logits)`.
+`log_softmax(logits)`. A grammar (`SamplingParams.json_schema`) is the exception: its mask is
+applied to the logits first, as vLLM and SGLang do, so a constrained token's behaviour logprob is
+the masked distribution's (`store.run_config`, "Constrained turns", says how those are trained).
 
 This module imports neither torch nor transformers.
 """
@@ -68,6 +70,10 @@ class SamplingParams:
     """Do not stop on the model's eos ids (stop_token_ids still stop)."""
     top_logprobs: int = 0
     """Also return the k most likely tokens and their behaviour logprobs at each step (0-20)."""
+    json_schema: str | None = None
+    """Constrain the output to JSON valid against this schema (JSON text; `{"type": "object"}`
+    is JSON mode): grammar-constrained decoding (`engines.grammar`). The behaviour logprob of a
+    constrained token is then the masked distribution's."""
 
     def validate(self) -> None:
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):

@@ -50,6 +50,7 @@ from engines.base import (
     WeightUpdate,
     join_chunks,
 )
+from engines.constraint import Constraint, Grammars
 from engines.errors import (
     EngineUnavailableError,
     InvalidRequestError,
@@ -139,6 +140,8 @@ class _Seq:
     done: bool = False
     held: list[TokenChunk] = field(default_factory=list)
     """Sampled chunks not yet delivered (`GenerateRequest.stream_interval`)."""
+    constraint: Constraint | None = None
+    """The grammar the output must follow (`SamplingParams.json_schema`)."""
 
     @property
     def num_new(self) -> int:
@@ -160,6 +163,7 @@ class LocalEngine:
         self.max_model_len = config.max_model_len or int(model.config.max_position_embeddings)
         self.runner = SlotModel(model, max_slots=config.max_batch, max_model_len=self.max_model_len)
         self.eos_token_ids = eos_token_ids
+        self.grammars = Grammars(config.model, self.runner.vocab_size)
         self.stats = EngineStats()
         self._rng = torch.Generator(device=self.runner.device)
         self._rng.manual_seed(secrets.randbits(63))
@@ -282,6 +286,7 @@ class LocalEngine:
             stops=stops,
             generator=generator,
             consumer=consumer,
+            constraint=None if sp.json_schema is None else self.grammars.matcher(sp.json_schema),
         )
 
     async def abort(self, request_id: str) -> None:
@@ -517,10 +522,18 @@ class LocalEngine:
                 self._fail(seq, RequestFailedError(row, retry_after=RETRY_AFTER_S), out)
                 continue
             tok, lp, top = row
+            if seq.constraint is not None and tok not in seq.stops:
+                try:
+                    seq.constraint.accept(tok)
+                except Exception as exc:
+                    self._fail(seq, self._request_failed(exc), out)
+                    continue
             seq.tokens.append(tok)
             finish = None
-            if tok in seq.stops:
-                finish = FinishReason.STOP
+            if tok in seq.stops or (
+                seq.constraint is not None and seq.constraint.done and not seq.stops
+            ):
+                finish = FinishReason.STOP  # (the JSON is complete and no end token may follow)
             elif seq.num_new >= seq.max_new:
                 finish = FinishReason.LENGTH
             seq.held.append(TokenChunk((tok,), (lp,), (version,), finish, top))
@@ -537,6 +550,11 @@ class LocalEngine:
         dev = logits_BV.device
         vocab = logits_BV.shape[-1]
         sps = [s.request.sampling for s in batch]
+        masks = [(b, s.constraint.allowed(s.stops)) for b, s in enumerate(batch) if s.constraint]
+        if masks:  # the grammar first: a constrained token's behaviour logprob is the masked one
+            logits_BV = logits_BV.clone()
+            for b, allow_V in masks:
+                logits_BV[b].masked_fill_(~allow_V.to(dev), float("-inf"))
         logp_BV = behaviour_logprobs(
             logits_BV, torch.tensor([sp.temperature for sp in sps], device=dev)
         )
@@ -577,7 +595,8 @@ class LocalEngine:
             if bad:
                 rows.append(
                     "nothing to sample for this request: every token is excluded (min_tokens "
-                    "masks its stop ids) or the model's logits are not finite; the engine goes on"
+                    "masks its stop ids, or its JSON schema allows no token here) or the model's "
+                    "logits are not finite; the engine goes on"
                 )
                 continue
             n_top = sps[b].top_logprobs

@@ -112,6 +112,8 @@ class SGLangEngine(RemoteEngine):
         }
         if sampling.seed is not None:
             params["sampling_seed"] = sampling.seed
+        if sampling.json_schema is not None:
+            params["json_schema"] = sampling.json_schema  # SGLang's grammar backend holds to it
         return {
             "input_ids": list(prompt),
             "sampling_params": params,

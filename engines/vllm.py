@@ -8,7 +8,10 @@ Generation, streamed, is one of two routes (`VLLMEngineConfig.api`):
 - `POST /v1/completions` with a token-id prompt, `return_token_ids` and `logprobs`: any server.
 The server must run with `--logprobs-mode processed_logprobs` (post-temperature logprobs, the
 behaviour logprob the trainer recomputes) and `VLLM_SERVER_DEV_MODE=1` (pause, resume, abort and
-weight reload); `engines.vllm_launch` starts one that way.
+weight reload); `engines.vllm_launch` starts one that way, and with
+`--structured-outputs-config '{"backend": "guidance", "disable_any_whitespace": true}'` so that a
+request's JSON schema (`structured_outputs.json`) holds the reply as the local engine's grammar
+does (`engines.grammar`).
 
 Weight updates (see `engines.remote` for how in-flight requests survive them):
 - from disk: `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`,
@@ -164,6 +167,9 @@ class VLLMEngine(RemoteEngine):
         }
         if sampling.seed is not None:
             params["seed"] = sampling.seed
+        if sampling.json_schema is not None:
+            # the server's --structured-outputs-config says the library and the whitespace
+            params["structured_outputs"] = {"json": json.loads(sampling.json_schema)}
         return self._route.body(params, sub_id, self.model, list(prompt))
 
     async def _submit(

@@ -65,6 +65,11 @@ def is_cpu_build(python: str, env: Mapping[str, str] | None = None) -> bool:
     return done.returncode == 0
 
 
+STRUCTURED_OUTPUTS = '{"backend": "guidance", "disable_any_whitespace": true}'
+"""vLLM's `--structured-outputs-config`: the grammar library and JSON whitespace of the local
+engine, so that a JSON schema holds a reply the same way on either engine."""
+
+
 def vllm_command(cfg: VLLMLaunchConfig, port: int) -> list[str]:
     cmd = [
         cfg.python,
@@ -77,6 +82,9 @@ def vllm_command(cfg: VLLMLaunchConfig, port: int) -> list[str]:
         *("--logprobs-mode", "processed_logprobs"),
         # /inference/v1/generate: token ids in and out, nothing detokenized (engines.vllm)
         "--enable-scale-out",
+        # structured outputs as the local engine holds them (engines.grammar): llguidance,
+        # compact JSON (vLLM reads the whitespace setting from here, not from the request)
+        *("--structured-outputs-config", STRUCTURED_OUTPUTS),
     ]
     if cfg.max_model_len is not None:
         cmd += ["--max-model-len", str(cfg.max_model_len)]

@@ -19,6 +19,9 @@ One JSON object per line, one line per session, oldest session first. Schema
       versions      policy version that sampled each token (-1 elsewhere)
       completion_ids, turn_spans   each turn's id and its [start, end) of sampled tokens
       turn_returns  the return of each turn, aligned with completion_ids
+      turn_sampling the sampling settings of each turn, aligned with completion_ids (its
+                    `json_schema` when the reply was held to one: those logprobs are the
+                    masked distribution's, `store.run_config`, "Constrained turns")
 
 `tokens`, `loss_mask`, `logprobs` and `versions` always share one length. For SFT keep the
 tokens and train on `loss_mask`; for offline RL use `logprobs` as the behaviour policy and
@@ -70,6 +73,7 @@ def trajectory_line(d: SessionDetail, transcripts: dict[str, JSON]) -> dict[str,
                 "completion_ids": s.completion_ids,
                 "turn_spans": [list(span) for span in s.turn_spans],
                 "turn_returns": [d.returns.get(c) for c in s.completion_ids],
+                "turn_sampling": s.turn_sampling,
             }
             for s in d.segments
         ],

@@ -80,6 +80,7 @@ def detail_json(d: SessionDetail) -> dict[str, Any]:
                 "index": s.index,
                 "completion_ids": s.completion_ids,
                 "turn_spans": [list(span) for span in s.turn_spans],
+                "turn_sampling": s.turn_sampling,
                 "tokens": s.tokens,
                 "loss_mask": s.loss_mask,
                 "logprobs": s.logprobs,

@@ -64,6 +64,10 @@ class TrainSequence:
     temperatures: list[float] | None = None
     """The sampling temperature of token t: its logprobs are `log_softmax(logits / T_t)` (the
     turn's own temperature, see `trainer.sequences`); None: the caller's one temperature."""
+    constrained: list[bool] | None = None
+    """Whether token t was sampled under a grammar (structured outputs): its recorded logprob is
+    the masked distribution's, and the trainer puts the proximal one in its place
+    (`store.run_config`, "Constrained turns"); None: no token was."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

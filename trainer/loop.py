@@ -333,9 +333,11 @@ class Trainer:
         if not built.sequences:
             return Update(built, [], {})
         seqs = await self._with_side_logprobs(built.sequences)
+        mismatch = self._mismatch(seqs)
+        seqs, constrained = self._constrained(seqs)
         seqs, adv_stats = await self._advantages(built, seqs)
         stats = await self._optimize(seqs)
-        return Update(built, seqs, adv_stats | self._mismatch(seqs) | stats)
+        return Update(built, seqs, adv_stats | mismatch | constrained | stats)
 
     def _mismatch(self, seqs: list[TrainSequence]) -> dict[str, float]:
         """The engine-vs-trainer logprob mismatch on the trained tokens sampled by the weights
@@ -348,10 +350,15 @@ class Trainer:
         rows = [
             (p, b)
             for s in seqs
-            for p, b, v, m in zip(
-                s.prox_logprobs or [], s.behav_logprobs, s.versions, s.loss_mask, strict=False
+            for p, b, v, m, c in zip(
+                s.prox_logprobs or [],
+                s.behav_logprobs,
+                s.versions,
+                s.loss_mask,
+                s.constrained or [False] * len(s),
+                strict=False,
             )
-            if m and v >= 0 and age[v] == 0
+            if m and v >= 0 and age[v] == 0 and not c
         ]
         out = {"mismatch_tokens": float(len(rows))}
         if rows:
@@ -362,11 +369,40 @@ class Trainer:
             out |= {k: float(v) for k, v in stats.items()}
         return out
 
+    def _constrained(
+        self, seqs: list[TrainSequence]
+    ) -> tuple[list[TrainSequence], dict[str, float]]:
+        """Tokens sampled under a grammar take the proximal logprob as their behaviour logprob
+        (`store.run_config`, "Constrained turns"): `constrained_tokens` of them, and the mean
+        log Z (recorded minus proximal logprob, negated) of those the trained weights sampled."""
+        if not any(s.constrained for s in seqs):
+            return seqs, {}
+        age = _ages(self.lineage, seqs, self.version)
+        out, count, mass = [], 0, []
+        for s in seqs:
+            if not s.constrained:
+                out.append(s)
+                continue
+            assert s.prox_logprobs is not None
+            behav = list(s.behav_logprobs)
+            for t, (c, m) in enumerate(zip(s.constrained, s.loss_mask, strict=True)):
+                if c and m:
+                    count += 1
+                    if s.versions[t] >= 0 and age[s.versions[t]] == 0:
+                        mass.append(s.prox_logprobs[t] - behav[t])
+                    behav[t] = s.prox_logprobs[t]
+            out.append(dataclasses.replace(s, behav_logprobs=behav))
+        stats = {"constrained_tokens": float(count)}
+        if mass:
+            stats["constrained_log_mass"] = sum(mass) / len(mass)
+        return out, stats
+
     async def _with_side_logprobs(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
-        """Proximal (the current weights) and reference logprobs, as the algorithm needs them."""
+        """Proximal (the current weights) and reference logprobs, as the algorithm needs them
+        (proximal ones too for a batch with constrained tokens, `_constrained`)."""
         cfg, algo = self.cfg, self.algo
         prox = ref = None
-        if algo.needs_proximal:
+        if algo.needs_proximal or any(s.constrained for s in seqs):
             prox = await on_torch_thread(
                 self.backend.forward_logprobs, seqs, cfg.temperature, token_budget=cfg.token_budget
             )

@@ -10,7 +10,8 @@ KL included, and normalises).
 The sampling contract (`store.run_config`): each token is trained at the temperature its turn was
 sampled at (`TrainSequence.temperatures`); a turn whose distribution the trainer cannot reproduce
 (greedy, top-p, top-k, min-p, min_tokens) keeps its tokens as context with loss mask 0 and is
-counted in `Built.untrainable_turns`.
+counted in `Built.untrainable_turns`; a turn sampled under a grammar is marked
+(`TrainSequence.constrained`) for the loop to train as the contract says ("Constrained turns").
 
 Multi-turn credit (docs/architecture.md, "Multi-turn credit"): turn i of trajectory n has the
 discounted return G_ni = r_ni + discount * G_n,i+1 (the store's `returns`). Its value is
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from store.run_config import reproducible_temperature
+from store.run_config import constrained_turn, reproducible_temperature
 from store.types import Segment, Trajectory
 from trainer.algorithms.advantages import (
     gae,
@@ -100,6 +101,8 @@ class _Tokens:
 
     loss_mask: list[int]
     temperatures: list[float]
+    constrained: list[bool] | None
+    """Per token, sampled under a grammar; None when no turn was."""
     untrainable: int
     stale: int
     """Sampled tokens of reproducible turns masked as stale."""
@@ -114,6 +117,7 @@ def _segment_tokens(
 ) -> _Tokens:
     mask = list(seg.loss_mask)
     temps = [default_temperature] * len(seg.tokens)
+    constrained: list[bool] | None = None
     untrainable = stale = 0
     spans: list[tuple[int, int]] = []
     sampling = seg.turn_sampling or [{}] * len(seg.turn_spans)
@@ -125,6 +129,9 @@ def _segment_tokens(
             spans.append((start, start))
             continue
         temps[start:end] = [t] * (end - start)
+        if constrained_turn(settings):
+            constrained = constrained or [False] * len(seg.tokens)
+            constrained[start:end] = [True] * (end - start)
         if fresh is not None:
             for pos in range(start, end):
                 if mask[pos] and not fresh(seg.versions[pos]):
@@ -132,7 +139,7 @@ def _segment_tokens(
                     stale += 1
         kept = [pos for pos in range(start, end) if mask[pos]]
         spans.append((kept[0], kept[-1] + 1) if kept else (start, start))
-    return _Tokens(mask, temps, untrainable, stale, spans)
+    return _Tokens(mask, temps, constrained, untrainable, stale, spans)
 
 
 def _turn_values(
@@ -244,6 +251,7 @@ def build_sequences(
                         v if m else -1 for v, m in zip(seg.versions, toks.loss_mask, strict=True)
                     ],
                     temperatures=toks.temperatures,
+                    constrained=toks.constrained,
                 )
             )
             produced = True

@@ -41,6 +41,8 @@ class Asked:
     ignore_eos: bool = False
     max_new_tokens: int | None = None
     top_logprobs: int = 0
+    json_schema: str | None = None
+    """The JSON schema the reply must follow (structured outputs); kept under either contract."""
 
 
 def max_tokens_cap(run: RunConfig | None) -> int | None:
@@ -65,6 +67,7 @@ def sampling_params(asked: Asked, run: RunConfig | None) -> SamplingParams:
         stop_token_ids=asked.stop_token_ids,
         ignore_eos=asked.ignore_eos,
         top_logprobs=asked.top_logprobs,
+        json_schema=asked.json_schema,
     )
     if run is not None and run.client_sampling == "run":
         # what the trainer recomputes exactly: the run's temperature, nothing truncated or masked

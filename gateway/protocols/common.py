@@ -1,6 +1,5 @@
 """What the OpenAI-family protocols (chat completions and the Responses API) share on the wire:
-a sampled token's logprob entry with its alternatives, and the 400 of a request for constrained
-decoding (`response_format`, `text.format`), which neither serves yet."""
+a sampled token's logprob entry with its alternatives, and their routes' error envelope."""
 
 from __future__ import annotations
 
@@ -28,14 +27,6 @@ def chat_logprobs(
             alternatives.append({"token": alt_text, "logprob": alt_lp, "bytes": alt_raw})
         out.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alternatives})
     return out
-
-
-UNCONSTRAINED = (
-    "structured outputs are not served yet: nothing would hold the reply to {what}, and a reply "
-    "that looks fine would be recorded and trained; drop {param} (ask for the format in the "
-    "prompt and check the reply yourself)"
-)
-"""The 400 of a request for constrained decoding, which the gateway does not do yet."""
 
 
 class OpenAIRoute(APIRoute):

@@ -7,7 +7,8 @@ continue generation, flush cache) and generates with the tiny model
 through transformers, so tokens and logprobs are real:
 
 - `/generate`: `input_ids`, `sampling_params` (max_new_tokens, min_new_tokens, temperature, top_p,
-  top_k (-1 off), stop_token_ids, ignore_eos, sampling_seed, no_stop_trim), `return_logprob`,
+  top_k (-1 off), stop_token_ids, ignore_eos, sampling_seed, no_stop_trim, json_schema: the
+  logits masked by the schema's grammar before the logprobs, as SGLang does), `return_logprob`,
   `top_logprobs_num`, `rid`, `stream` (cumulative SSE events, then `data: [DONE]`).
   `meta_info.output_token_logprobs` holds `[logprob, id, null]`, post-temperature;
   `finish_reason` is `{"type": "stop"|"length"|"abort", ...}`; aborted requests return their
@@ -54,6 +55,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from engines.constraint import Grammars
+
 
 @dataclass(eq=False)
 class _Req:
@@ -90,6 +93,7 @@ class FakeSGLang:
         gen = GenerationConfig.from_pretrained(model_dir)
         eos = gen.eos_token_id
         self.eos = {eos} if isinstance(eos, int) else set(eos or ())
+        self.grammars = Grammars(model_dir, int(self.model.config.vocab_size))
         self.version = "default"
         self.running: dict[str, _Req] = {}
         self.unpaused = asyncio.Event()
@@ -109,6 +113,9 @@ class FakeSGLang:
         top_p = float(p.get("top_p", 1.0))
         top_k = int(p.get("top_k", -1))
         stops = set(p.get("stop_token_ids") or ()) | (set() if p.get("ignore_eos") else self.eos)
+        constraint = None
+        if p.get("json_schema") is not None:  # SGLang masks the logits before its logprobs
+            constraint = self.grammars.matcher(str(p["json_schema"]))
         rng = torch.Generator()
         if p.get("sampling_seed") is not None:
             rng.manual_seed(int(p["sampling_seed"]))
@@ -128,11 +135,15 @@ class FakeSGLang:
                     out = await asyncio.to_thread(self._forward, ids, past)
                 past = out.past_key_values
                 logits = out.logits[0, -1].float()
+                if constraint is not None:
+                    logits = logits.masked_fill(~constraint.allowed(frozenset(stops)), -torch.inf)
                 logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
                 masked = logp.clone()
                 if len(req.output) < min_new:
                     masked[list(stops)] = -torch.inf
                 tok = self._sample(masked, temperature, top_p, top_k, rng)
+                if constraint is not None and tok not in stops:
+                    constraint.accept(tok)
                 req.output.append(tok)
                 req.logprobs.append([float(logp[tok]), tok, None])
                 if req.top_n:

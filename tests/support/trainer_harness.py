@@ -9,7 +9,7 @@ import sqlite3
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,8 @@ class Harness:
     store: Store
     db_path: Path
     rejected: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+    """More fields of every episode's request (e.g. a `response_format`)."""
 
     async def run(self, config: dict[str, Any]) -> str:
         r = await self.http.post("/runs", json={"name": "t", "config": config}, headers=ADMIN)
@@ -66,7 +68,7 @@ class Harness:
         key = {"Authorization": f"Bearer {s['api_key']}"}
         r = await self.http.post(
             f"/sessions/{s['id']}/v1/chat/completions",
-            json={"messages": PROMPT, "max_tokens": MAX_TOKENS},
+            json={"messages": PROMPT, "max_tokens": MAX_TOKENS, **self.extra},
             headers=key,
         )
         assert r.status_code == 200, r.text

@@ -86,6 +86,7 @@ class MessagesService:
                 max_new_tokens=body.max_tokens,
                 seed=body.seed,
                 ignore_eos=body.ignore_eos,
+                json_schema=body.json_schema,
             ),
             stop=[s for s in body.stop_sequences or () if s],
             stream=body.stream,

@@ -9,8 +9,8 @@ ids are the gateway's own call ids with Anthropic's `toolu_` prefix, so a conver
 between Messages and the OpenAI protocols continues its segment token for token.
 
 An assistant's `thinking` blocks are its reasoning (`reasoning_content`); `cache_control`,
-`thinking`, `context_management`, `output_config` (but its `format`: structured outputs, like
-`output_format`, are a 400) and `metadata` are accepted; tools the model
+`thinking`, `context_management`, `output_config` and `metadata` are accepted (`output_format`
+and `output_config.format` hold the reply to a JSON schema); tools the model
 cannot call (Anthropic's server and computer tools, which have no `input_schema`) are left out,
 never a 400.
 """
@@ -20,9 +20,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, model_validator
 
 from gateway.core.chat_render import Message, Tools, function_tool
+from gateway.core.formats import format_schema
 from gateway.core.media import Media, media_text
 from gateway.core.turn_types import ToolChoice, ToolMode
 from gateway.errors import BadRequest, invalid_input
@@ -67,24 +68,28 @@ class MessagesRequest(CountTokensRequest):
     ignore_eos: StrictBool = False
     """vLLM's extension, as on chat completions: do not stop at the model's end token."""
     output_format: dict[str, Any] | None = None
-    """Structured outputs (and `output_config.format`): a 400, as on the OpenAI routes."""
+    """Structured outputs (`{"type": "json_schema", "schema": ...}`; also as
+    `output_config.format`): the reply is held to the schema (`gateway.core.formats`)."""
+    _json_schema: str | None = PrivateAttr(None)
+
+    @property
+    def json_schema(self) -> str | None:
+        """The JSON schema the reply must follow, or None."""
+        return self._json_schema
 
     @model_validator(mode="after")
-    def _unconstrained(self) -> Self:
+    def _structured_output(self) -> Self:
         config = (self.model_extra or {}).get("output_config")
         shape = config.get("format") if isinstance(config, dict) else None
-        for param, value in (
-            ("output_format", self.output_format),
-            ("output_config.format", shape),
-        ):
-            if value is not None:
-                raise invalid_input(
-                    f"{param}: structured outputs are not served yet: nothing would hold the "
-                    f"reply to your schema, and a reply that looks fine would be recorded and "
-                    f"trained; drop {param} (ask for the format in the prompt and check the reply "
-                    "yourself)",
-                    param,
-                )
+        if self.output_format is not None and shape is not None:
+            raise invalid_input(
+                "output_format and output_config.format both ask for a format: send one",
+                "output_format",
+            )
+        if shape is not None:
+            self._json_schema = format_schema(shape, "output_config.format", nested=False)
+        else:
+            self._json_schema = format_schema(self.output_format, "output_format", nested=False)
         return self
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, model_validator
 
 from engines.base import MAX_TOP_LOGPROBS
+from gateway.core.formats import format_schema
 from gateway.core.sampling import Asked
 from gateway.errors import BadRequest, invalid_input
 from gateway.limits import MAX_GENERATIONS, MAX_INT32, CheckedBody, Int, Num, TokenCount, TokenId
-from gateway.protocols.common import UNCONSTRAINED
 
 
 class _Open(BaseModel):
@@ -119,21 +119,20 @@ class _Sampling(_Open, CheckedBody):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
-    """`{"type": "text"}` only: a JSON schema or JSON mode is a 400 (`UNCONSTRAINED`)."""
+    """`text`, `json_object` or `json_schema`: the reply is held to the schema by
+    grammar-constrained decoding (`engines.grammar`)."""
+    _json_schema: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
-    def _nothing_asks_for_constrained_decoding(self) -> Self:
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            what = "your JSON schema" if kind == "json_schema" else "JSON"
-            raise invalid_input(
-                f"response_format {kind!r}: "
-                + UNCONSTRAINED.format(what=what, param="response_format"),
-                "response_format",
-            )
+    def _structured_output(self) -> Self:
+        self._json_schema = format_schema(self.response_format, "response_format", nested=True)
         for name in _GUIDED:
             if (self.model_extra or {}).get(name) is not None:
-                raise invalid_input(f"{name}: " + UNCONSTRAINED.format(what="it", param=name), name)
+                raise invalid_input(
+                    f"{name} is not served: ask for JSON with response_format (json_schema or "
+                    "json_object), which the reply is held to",
+                    name,
+                )
         return self
 
     def stop_strings(self) -> list[str]:
@@ -152,6 +151,7 @@ class _Sampling(_Open, CheckedBody):
             ignore_eos=self.ignore_eos,
             max_new_tokens=max_new_tokens,
             top_logprobs=top_logprobs,
+            json_schema=self._json_schema,
         )
 
 

@@ -19,16 +19,16 @@ from __future__ import annotations
 import json
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, model_validator
 
 from engines.base import MAX_TOP_LOGPROBS
 from gateway.core.chat_render import Message, Tools, function_tool
+from gateway.core.formats import format_schema
 from gateway.core.media import Media, media_text
 from gateway.core.reasoning_parsers import unseal_reasoning
 from gateway.core.turn_types import ToolChoice, ToolMode
 from gateway.errors import BadRequest, invalid_input
 from gateway.limits import CheckedBody, Int, Num, TokenCount
-from gateway.protocols.common import UNCONSTRAINED
 
 
 class ResponseObject(BaseModel):
@@ -74,19 +74,23 @@ class ResponsesRequest(_Open, CheckedBody):
     ignore_eos: StrictBool = False
     """vLLM's extension, as on chat completions: do not stop at the model's end token."""
     text: dict[str, Any] | None = None
-    """`{"format": {"type": "text"}}` only: a JSON schema or JSON mode is a 400."""
+    """`format`: `text`, `json_object` or `json_schema`, held to by grammar-constrained decoding
+    (`engines.grammar`)."""
     conversation: str | dict[str, Any] | None = None
     """Not served: a 400 (the history it names would be lost)."""
+    _json_schema: str | None = PrivateAttr(None)
+
+    @property
+    def json_schema(self) -> str | None:
+        """The JSON schema the reply must follow (`text.format`), or None."""
+        return self._json_schema
 
     @model_validator(mode="after")
     def _served(self) -> Self:
-        kind = ((self.text or {}).get("format") or {}).get("type", "text")
-        if kind != "text":
-            what = "your JSON schema" if kind == "json_schema" else "JSON"
-            raise invalid_input(
-                f"text.format {kind!r}: " + UNCONSTRAINED.format(what=what, param="text.format"),
-                "text.format",
-            )
+        if self.text is not None and not isinstance(self.text, dict):
+            raise invalid_input("text must be an object", "text")
+        fmt = (self.text or {}).get("format")
+        self._json_schema = format_schema(fmt, "text.format", nested=False)
         if self.conversation is not None:
             raise invalid_input(
                 "conversation: conversations are not kept here, so the history it names would be "

@@ -305,3 +305,36 @@ def test_real_sglang_generates_and_swaps_weights(
     new = teacher_forced(trained_dir, tokens, 1.0)[len(PROMPT) :]
     at = r.versions.index(1)
     assert list(r.logprobs[at:]) == pytest.approx(new[at:], abs=1e-2)  # GPU kernels differ
+
+
+async def test_a_json_schema_reaches_the_server_and_holds_the_reply(
+    fake: FakeServer, tiny_model: Path
+) -> None:
+    """Structured outputs pass through as SGLang's `json_schema` sampling parameter; the server
+    masks its logits by the schema before its logprobs, so they are the masked distribution's:
+    never below the model's own, and the reply is the schema's JSON."""
+    import json
+
+    from engines.tiny_model import load_tokenizer
+
+    schema = {
+        "type": "object",
+        "properties": {"kind": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["kind", "n"],
+        "additionalProperties": False,
+    }
+    engine = await connect(fake.url)
+    try:
+        sampling = SamplingParams(
+            temperature=1.0, seed=2, max_new_tokens=40, json_schema=json.dumps(schema)
+        )
+        r = await collect(engine, GenerateRequest(prompt_ids=PROMPT, sampling=sampling))
+    finally:
+        await engine.close()
+    assert r.finish_reason == FinishReason.STOP
+    reply = json.loads(load_tokenizer(tiny_model).decode(list(r.token_ids[:-1])))
+    assert reply["kind"] in ("cat", "dog")
+    assert 0 <= reply["n"] <= 9
+    free = teacher_forced(tiny_model, list(PROMPT + r.token_ids), 1.0)[len(PROMPT) :]
+    assert all(a >= b - ATOL for a, b in zip(r.logprobs, free, strict=True))
+    assert any(a > b + 0.1 for a, b in zip(r.logprobs, free, strict=True))
