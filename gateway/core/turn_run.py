@@ -88,6 +88,34 @@ class Turn:
     def completion_tokens(self) -> int:
         return sum(len(r.ids) for r in self.runs)
 
+    @property
+    def reasoning_tokens(self) -> int:
+        """Sampled tokens of the choices' reasoning (OpenAI's `reasoning_tokens`): each reply's
+        tokens up to the one that ends its reasoning, all of one whose reasoning never ended."""
+        return sum(self._reasoning_tokens(r) for r in self.runs)
+
+    def _reasoning_tokens(self, run: ChoiceRun) -> int:
+        group, ids = self._group_of(run), run.ids
+
+        def ended(k: int) -> bool:
+            raw = b"".join(bytes(self.context.pieces(t)[1]) for t in ids[:k])
+            split = self._split(group, group.prefill + raw.decode("utf-8", errors="replace"))
+            return split.reasoning is not None and split.done
+
+        whole = self._split(group, self.full_text(run))
+        if whole.reasoning is None:
+            return 0
+        if not ended(len(ids)):
+            return len(ids)
+        lo, hi = 0, len(ids)  # the fewest tokens after which the reasoning has ended
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ended(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
     def completion_id(self, i: int) -> str:
         return self.id if len(self.runs) == 1 else f"{self.id}-{i}"
 

@@ -48,12 +48,13 @@ def sse_error(exc: Exception) -> str:
     return f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
 
 
-def usage_of(turn: Turn) -> dict[str, int]:
+def usage_of(turn: Turn) -> dict[str, Any]:
     prompt, completion = turn.prompt_tokens, turn.completion_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "completion_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
     }
 
 

@@ -403,7 +403,7 @@ class _Shape:
             "input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
             "total_tokens": prompt + completion,
         }
         return out

@@ -71,14 +71,25 @@ def ask_chat(client: openai.OpenAI, messages: list[Any]) -> Any:
     return client.chat.completions.create(model="m", messages=messages, tools=TOOLS, **GREEDY)
 
 
-def check_thoughts_recorded(gw: GatewayHandle, thinking_dir: Path, s: dict[str, Any]) -> None:
-    """One segment, each turn's sampled text starting with the reasoning, verbatim."""
+def check_thoughts_recorded(
+    gw: GatewayHandle, thinking_dir: Path, s: dict[str, Any], reasoning_tokens: int | None = None
+) -> None:
+    """One segment, each turn's sampled text starting with the reasoning, verbatim; the first
+    turn's reasoning is `reasoning_tokens` of its tokens (those up to the end of `</think>`)."""
     seg = only_segment(gw.session(s["id"]))
     check_segment(seg)
     assert len(seg["completion_ids"]) == 2
     tok = tokenizer_of(thinking_dir)
     for start, end in seg["turn_spans"]:
         assert tok.decode(seg["tokens"][start:end]).startswith(THINK + "\n\n")
+    if reasoning_tokens is not None:
+        start, end = seg["turn_spans"][0]
+        ends = [
+            k
+            for k in range(end - start + 1)
+            if "</think>" in tok.decode(seg["tokens"][start : start + k])
+        ]
+        assert 0 < reasoning_tokens == ends[0] < end - start
 
 
 def test_chat_completions_reasoning_content(gw: GatewayHandle, thinking_dir: Path) -> None:
@@ -111,7 +122,11 @@ def test_chat_completions_reasoning_content(gw: GatewayHandle, thinking_dir: Pat
             thought += (delta.model_extra or {}).get("reasoning_content") or ""
             text += delta.content or ""
     assert (thought, text) == (THOUGHT, ANSWER)
-    check_thoughts_recorded(gw, thinking_dir, s)
+    assert r1.usage is not None
+    assert r1.usage.completion_tokens_details is not None
+    check_thoughts_recorded(
+        gw, thinking_dir, s, r1.usage.completion_tokens_details.reasoning_tokens
+    )
 
 
 def test_responses_reasoning_items_and_their_sealed_content(
@@ -156,7 +171,10 @@ def test_responses_reasoning_items_and_their_sealed_content(
     assert streamed == THOUGHT
     assert [o.type for o in final.output] == ["reasoning", "message"]
     assert final.output_text == ANSWER
-    check_thoughts_recorded(gw, thinking_dir, s)
+    assert r1.usage is not None
+    assert final.usage is not None
+    assert final.usage.output_tokens_details.reasoning_tokens > 0  # the streamed one's too
+    check_thoughts_recorded(gw, thinking_dir, s, r1.usage.output_tokens_details.reasoning_tokens)
 
 
 def test_messages_thinking_blocks(gw: GatewayHandle, thinking_dir: Path) -> None:
