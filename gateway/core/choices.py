@@ -31,6 +31,9 @@ class ChoiceRun:
     versions: list[int] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     finish_reason: str | None = None
+    context_bound: bool = False
+    """Only the model's context bounds its length (the client and the run set no lower limit):
+    a `length` finish is the context's end (`Choice.context_edge`)."""
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 

@@ -151,12 +151,14 @@ class TurnCore:
                 group = Group(prompt, prefill, ids, plan, [], self._opens(prompt, ids))
                 groups.append(group)
                 for req in choice_requests(sp, ids, spec.n, session_id, stream=spec.stream):
+                    stream, bound = self._generate(req, cap_to_context)
                     group.runs.append(
                         ChoiceRun(
                             index=(len(groups) - 1) * spec.n + len(group.runs),
                             request=req,
-                            stream=self._generate(req, cap_to_context),
+                            stream=stream,
                             decoder=self._decoder(group, spec.stop),
+                            context_bound=bound,
                         )
                     )
         except BaseException:
@@ -187,17 +189,17 @@ class TurnCore:
         tok = self.renderer.tokenizer
         return IncrementalDecoder(tok, stop, holdback=holdback, keep=self._keep, kept_stops=kept)
 
-    def _generate(self, req: GenerateRequest, cap: bool) -> AsyncIterator[TokenChunk]:
-        """The engine's stream (`generate` validates: it raises before any token)."""
+    def _generate(self, req: GenerateRequest, cap: bool) -> tuple[AsyncIterator[TokenChunk], bool]:
+        """The engine's stream (`generate` validates: it raises before any token), and whether
+        only the model's context bounds its length (no maximum, or one capped at the room)."""
         try:
-            return self.engine.generate(req)
+            return self.engine.generate(req), req.sampling.max_new_tokens is None
         except PromptTooLongError as exc:
             room = exc.max_model_len - exc.prompt_len
             if not cap or room < 1:
                 raise
-            return self.engine.generate(
-                replace(req, sampling=replace(req.sampling, max_new_tokens=room))
-            )
+            capped = replace(req, sampling=replace(req.sampling, max_new_tokens=room))
+            return self.engine.generate(capped), True
 
     def release(self, groups: list[Group]) -> None:
         self.context.release(groups)

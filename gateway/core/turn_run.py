@@ -172,6 +172,7 @@ class Turn:
             # the client's own stop strings; a call's end (one call only) is none of them
             stop_string=run.decoder.matched if run.decoder.matched in self.spec.stop else None,
             continued=_continues(group),
+            context_edge=finish == "length" and run.context_bound,
         )
 
     @property
@@ -234,7 +235,9 @@ class Turn:
                         logprobs=list(r.logprobs),
                         versions=list(r.versions),
                         finish_reason=choice.finish_reason,
-                        status=TurnStatus.ABORTED if aborted else TurnStatus.OK,
+                        status=TurnStatus.ABORTED
+                        if aborted or (choice.context_edge and self.spec.edge_is_error)
+                        else TurnStatus.OK,
                         response=self.respond(self, choice),
                         latency_ms=r.latency_ms,
                         ttft_ms=r.ttft_ms,

@@ -92,6 +92,11 @@ class TurnSpec:
     """The asked maximum of new tokens is a limit, not a demand: where the prompt leaves less
     room in the model's context, generate up to the room left (Anthropic's `max_tokens`, the
     Responses API's `max_output_tokens`), not a 400 as chat completions answers."""
+    edge_is_error: bool = False
+    """A reply cut by the end of the model's context (`Choice.context_edge`) is answered as an
+    error the client understands (the Responses API's `context_length_exceeded`, on which Codex
+    compacts its history): the client never takes it as a reply, so it is recorded aborted and
+    never trained."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +130,9 @@ class Choice:
     continued: str = ""
     """The client's own start of the reply (`ChatPrompt.continues`), which `content` begins
     with when the reply is text: a protocol sends back only what follows it."""
+    context_edge: bool = False
+    """It ended at `length` because the model's context ran out, not at a maximum the client or
+    the run set (`ChoiceRun.context_bound`)."""
 
 
 @dataclass(frozen=True, slots=True)

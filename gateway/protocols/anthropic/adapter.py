@@ -6,6 +6,7 @@ The stream is `message_start`, `ping`, then per content block `content_block_sta
 input, as it is known only once the call is parsed), `content_block_stop`, and last
 `message_delta` (stop reason, output tokens) and `message_stop`; a failure after the stream
 began is an `error` event in Anthropic's shape. `stop_reason` is `end_turn`, `max_tokens`,
+`model_context_window_exceeded` (the model's context, not `max_tokens`, ended the reply),
 `stop_sequence` (with the `stop_sequence` that matched) or `tool_use`.
 """
 
@@ -102,6 +103,8 @@ class MessagesService:
 def _stop_reason(c: Choice) -> str | None:
     if c.finish_reason == "stop" and c.stop_string is not None:
         return "stop_sequence"
+    if c.context_edge:  # Anthropic's own reason for a reply the context window cut
+        return "model_context_window_exceeded"
     return _STOP_REASONS.get(c.finish_reason)
 
 

@@ -105,12 +105,15 @@ class ResponsesService:
             stream=body.stream,
             request=body.model_dump(mode="json", exclude_none=True),
             cap_to_context=True,
+            edge_is_error=True,
         )
         shape = _Shape(body)
         turn = await self.core.start(spec, session_id, run=run, retry=retry, respond=shape.choice)
         if body.stream:
             return EventStream(self._stream(turn, shape, session_id, prior), turn.close)
         choice = (await turn.complete())[0]
+        if choice.context_edge:
+            raise context_exceeded(turn)
         response = shape.choice(turn, choice)
         self._keep(body, turn, response, session_id, prior)
         return response
@@ -164,6 +167,14 @@ class ResponsesService:
                 yield out.event("response.failed", response=failed)
                 return
             choice = turn.choices[0]
+            if choice.context_edge:
+                err = context_exceeded(turn)
+                failed = started | {
+                    "status": "failed",
+                    "error": {"code": err.code, "message": err.message},
+                }
+                yield out.event("response.failed", response=failed)
+                return
             final = shape.choice(turn, choice)
             for e in out.finish(final, turn.unsent_reasoning(choice), turn.unsent(choice)):
                 yield e
@@ -173,6 +184,19 @@ class ResponsesService:
             yield out.event(kind, response=final)
         finally:
             await turn.close()
+
+
+def context_exceeded(turn: Turn) -> BadRequest:
+    """The error of a reply the model's context cut: OpenAI's `context_length_exceeded`, on which
+    Codex compacts its history and asks again (the turn is recorded aborted: never trained)."""
+    err = BadRequest(
+        f"the input ({turn.prompt_tokens} tokens) left room for only {turn.completion_tokens} "
+        "tokens of reply in the model's context, and the reply needed more: shorten the input "
+        "(compact the conversation)",
+        param="input",
+    )
+    err.code = "context_length_exceeded"
+    return err
 
 
 class _Events:
