@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ import pytest
 from engines.base import FinishReason, GenerateRequest, SamplingParams, WeightUpdate, collect
 from engines.tiny_model import load_tokenizer
 from engines.vllm import VLLMEngine, VLLMEngineConfig
-from tests.support.gateway_server import GatewayHandle, run_gateway
+from tests.support.gateway_server import GatewayHandle
 from tests.support.teacher import teacher_forced
 from tests.support.vllm_server import needs_vllm
 
@@ -172,15 +172,6 @@ async def test_a_burst_of_seeded_prompts_beyond_one_steps_budget_is_served(
 
 
 # -- behind the gateway -----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def gateway(
-    tiny_model: Path, vllm_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayHandle]:
-    args = ["--engine", "vllm", "--engine-url", vllm_url]
-    with run_gateway(tiny_model, tmp_path_factory.mktemp("gw-vllm"), extra_args=args) as gw:
-        yield gw
 
 
 def client_of(session: dict[str, Any]) -> openai.OpenAI:

@@ -8,7 +8,7 @@ and never below the unmasked one the trainer computes."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +21,7 @@ from engines.base import FinishReason, GenerateRequest, SamplingParams, collect
 from engines.constraint import Grammars
 from engines.tiny_model import load_tokenizer
 from engines.vllm import VLLMEngine, VLLMEngineConfig
-from tests.support.gateway_server import GatewayHandle, run_gateway
+from tests.support.gateway_server import GatewayHandle
 from tests.support.vllm_server import needs_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, needs_vllm]
@@ -94,15 +94,6 @@ async def test_the_schema_holds_vllms_reply_and_its_logprobs_are_the_masked_ones
         gap = max(abs(a - b) for a, b in zip(r.logprobs, masked, strict=True))
         assert gap <= PARITY, f"max |vLLM - masked reference| logprob = {gap:.2e}"
         assert all(a >= b - PARITY for a, b in zip(r.logprobs, free, strict=True))
-
-
-@pytest.fixture(scope="module")
-def gateway(
-    tiny_model: Path, vllm_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayHandle]:
-    args = ["--engine", "vllm", "--engine-url", vllm_url]
-    with run_gateway(tiny_model, tmp_path_factory.mktemp("gw-vllm-so"), extra_args=args) as gw:
-        yield gw
 
 
 def client_of(session: dict[str, Any]) -> openai.OpenAI:
