@@ -101,12 +101,18 @@ def test_max_output_tokens_ends_incomplete_and_a_limit_past_the_context_is_cappe
         assert r.incomplete_details.reason == "max_output_tokens"
         assert r.usage is not None
         assert r.usage.output_tokens == 3
-        # 2048 tokens of context: a limit of 100000 is a limit, not a refused demand
-        long = client.responses.create(
-            model="tiny", input="x" * 1900, max_output_tokens=100_000, temperature=1.0
-        )
-    assert long.usage is not None
-    assert long.usage.input_tokens + long.usage.output_tokens <= 2048
+        # 2048 tokens of context: a limit of 100000 is a limit, not a refused demand; the reply
+        # runs to the context's end, which Codex must hear as context_length_exceeded
+        # (test_context_edge.py)
+        with pytest.raises(openai.BadRequestError) as edge:
+            client.responses.create(
+                model="tiny",
+                input="x" * 1900,
+                max_output_tokens=100_000,
+                extra_body={"ignore_eos": True},
+            )
+    assert edge.value.code == "context_length_exceeded"
+    assert "left room for only" in str(edge.value)
 
 
 # -- a conversation -----------------------------------------------------------------------------
