@@ -8,6 +8,7 @@ stays `incomplete` / `max_tokens`."""
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
 
 import anthropic
@@ -53,6 +54,18 @@ def test_responses_answers_context_length_exceeded_and_trains_nothing(
         assert r.incomplete_details is not None
         assert r.incomplete_details.reason == "max_output_tokens"
     assert trained_tokens(gw, s["id"]) == 4  # the two cut replies are recorded, never trained
+    # each repeat of the request took the place of the reply the client never got: the segment
+    # holds its remaining turns exactly, the replaced ones are kept outside it
+    with sqlite3.connect(gw.database_url.removeprefix("sqlite:///")) as db:
+        rows = db.execute(
+            "SELECT c.status, s.length, length(c.prompt_delta) / 4 + length(c.output_ids) / 4 "
+            "FROM completions c JOIN segments s ON s.id = c.segment_id WHERE s.session_id = ? "
+            "ORDER BY c.turn",
+            (s["id"],),
+        ).fetchall()
+    assert [status for status, _, _ in rows] == ["replaced", "replaced", "ok"]
+    [(_, length, held)] = [row for row in rows if row[0] != "replaced"]
+    assert length == held
 
 
 def test_messages_says_the_context_window_ended_the_reply(tiny_gw: GatewayHandle) -> None:
