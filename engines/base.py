@@ -74,6 +74,10 @@ class SamplingParams:
     """Constrain the output to JSON valid against this schema (JSON text; `{"type": "object"}`
     is JSON mode): grammar-constrained decoding (`engines.grammar`). The behaviour logprob of a
     constrained token is then the masked distribution's."""
+    grammar: str | None = None
+    """Constrain the output to a grammar in llguidance's Lark dialect (text literals, `%json{}`
+    for a JSON value held to a schema): how a forced tool call's markup and arguments are held
+    (`gateway.core.tool_grammars`). At most one of `json_schema` and `grammar`."""
 
     def validate(self) -> None:
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
@@ -97,6 +101,8 @@ class SamplingParams:
             raise InvalidSamplingError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
             )
+        if self.json_schema is not None and self.grammar is not None:
+            raise InvalidSamplingError("json_schema and grammar cannot both constrain one request")
         if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
             raise InvalidSamplingError(f"seed must fit in 64 bits, got {self.seed}")
 

@@ -1,6 +1,6 @@
 """A sequence's grammar state in the local engine (and the test servers): the tokens a JSON schema
-allows next, as a mask over the vocabulary (`engines.grammar` says what is constrained and why
-llguidance)."""
+or a grammar allows next, as a mask over the vocabulary (`engines.grammar` says what is constrained
+and why llguidance)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import llguidance
 import llguidance.hf
 import torch
 
-from engines.grammar import GrammarError, json_grammar
+from engines.grammar import GrammarError, constraint_grammar
 
 
 class Grammars:
@@ -33,13 +33,17 @@ class Grammars:
                 self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self._vocab)
             return self._tokenizer
 
-    def matcher(self, schema: str) -> Constraint:
-        """A fresh matcher for one sequence; `GrammarError` when the schema does not compile."""
-        grammar = json_grammar(schema)
+    def matcher(self, json_schema: str | None, grammar: str | None) -> Constraint | None:
+        """A fresh matcher for one sequence held to `json_schema` or `grammar`
+        (`SamplingParams`' fields; None when neither is set); `GrammarError` when it does not
+        compile."""
+        compiled = constraint_grammar(json_schema, grammar)
+        if compiled is None:
+            return None
         tokenizer = self._ll_tokenizer()
-        m = llguidance.LLMatcher(tokenizer, grammar)
+        m = llguidance.LLMatcher(tokenizer, compiled)
         if m.is_error():
-            raise GrammarError(f"the JSON schema cannot be used: {m.get_error()}")
+            raise GrammarError(f"the grammar cannot be used: {m.get_error()}")
         return Constraint(m, self._vocab, int(tokenizer.eos_token))
 
 

@@ -1,7 +1,8 @@
 """Grammar-constrained decoding: a JSON schema held over every sampled token, with llguidance.
 
-A request's `SamplingParams.json_schema` (JSON text; `{"type": "object"}` is JSON mode) is
-compiled against the model's tokenizer into a matcher; before each draw the matcher says which
+A request's `SamplingParams.json_schema` (JSON text; `{"type": "object"}` is JSON mode), or its
+`SamplingParams.grammar` (llguidance's Lark dialect: a forced tool call), is compiled against the
+model's tokenizer into a matcher; before each draw the matcher says which
 tokens may come next, and every other token's logit is set to -inf. The behaviour logprob is then
 the masked distribution's, `log_softmax(masked logits / T)`: what the token was really drawn from,
 and what vLLM and SGLang report for a constrained request (their grammar mask is applied to the
@@ -21,6 +22,7 @@ is complete; once the grammar admits nothing more, only they may.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +43,7 @@ class GrammarError(InvalidRequestError):
     """The schema cannot be compiled: the message is the compiler's."""
 
 
+@functools.lru_cache(maxsize=256)
 def json_grammar(schema: str) -> str:
     """llguidance's grammar for JSON valid against `schema` (JSON text); `GrammarError` when the
     schema is not JSON or not one the compiler supports."""
@@ -63,6 +66,23 @@ def json_grammar(schema: str) -> str:
 def check_json_schema(schema: str) -> None:
     """Raise `GrammarError` unless `schema` compiles (no tokenizer needed)."""
     json_grammar(schema)
+
+
+@functools.lru_cache(maxsize=256)
+def lark_grammar(grammar: str) -> str:
+    """`grammar` (llguidance's Lark dialect) when it compiles, else `GrammarError`."""
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(f"the grammar cannot be used: {error}")
+    return grammar
+
+
+def constraint_grammar(json_schema: str | None, grammar: str | None) -> str | None:
+    """What a request's output is held to, compiled (None: nothing); `GrammarError` when it does
+    not compile. The arguments are `SamplingParams.json_schema` and `.grammar`."""
+    if json_schema is not None:
+        return json_grammar(json_schema)
+    return None if grammar is None else lark_grammar(grammar)
 
 
 def schema_of(value: Any) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from engines.base import GenerateRequest, check_request
 from engines.errors import InvalidSamplingError
-from engines.grammar import check_json_schema
+from engines.grammar import constraint_grammar
 
 MAX_POLICY_VERSION = 2**31 - 1
 """The store records policy versions as int32 (`store.arrays`): no engine serves a larger one."""
@@ -32,8 +32,7 @@ def check_local_request(request: GenerateRequest, *, max_model_len: int, vocab_s
     each naming the field and its limit)."""
     check_request(request, max_model_len=max_model_len, vocab_size=vocab_size)
     sp = request.sampling
-    if sp.json_schema is not None:
-        check_json_schema(sp.json_schema)
+    constraint_grammar(sp.json_schema, sp.grammar)
     if 0.0 < sp.temperature < MIN_TEMPERATURE:
         raise InvalidSamplingError(
             f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {sp.temperature}"

@@ -286,7 +286,7 @@ class LocalEngine:
             stops=stops,
             generator=generator,
             consumer=consumer,
-            constraint=None if sp.json_schema is None else self.grammars.matcher(sp.json_schema),
+            constraint=self.grammars.matcher(sp.json_schema, sp.grammar),
         )
 
     async def abort(self, request_id: str) -> None:

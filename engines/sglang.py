@@ -114,6 +114,8 @@ class SGLangEngine(RemoteEngine):
             params["sampling_seed"] = sampling.seed
         if sampling.json_schema is not None:
             params["json_schema"] = sampling.json_schema  # SGLang's grammar backend holds to it
+        if sampling.grammar is not None:  # read as Lark under `--grammar-backend llguidance`
+            params["ebnf"] = sampling.grammar
         return {
             "input_ids": list(prompt),
             "sampling_params": params,

@@ -167,6 +167,8 @@ class VLLMEngine(RemoteEngine):
         }
         if sampling.seed is not None:
             params["seed"] = sampling.seed
+        if sampling.grammar is not None:  # the guidance backend reads it as llguidance's Lark
+            params["structured_outputs"] = {"grammar": sampling.grammar}
         if sampling.json_schema is not None:
             # the server's --structured-outputs-config says the library and the whitespace
             params["structured_outputs"] = {"json": json.loads(sampling.json_schema)}

@@ -20,8 +20,9 @@ One JSON object per line, one line per session, oldest session first. Schema
       completion_ids, turn_spans   each turn's id and its [start, end) of sampled tokens
       turn_returns  the return of each turn, aligned with completion_ids
       turn_sampling the sampling settings of each turn, aligned with completion_ids (its
-                    `json_schema` when the reply was held to one: those logprobs are the
-                    masked distribution's, `store.run_config`, "Constrained turns")
+                    `json_schema` or `grammar` when the reply was held to one: those
+                    logprobs are the masked distribution's, `store.run_config`,
+                    "Constrained turns")
 
 `tokens`, `loss_mask`, `logprobs` and `versions` always share one length. For SFT keep the
 tokens and train on `loss_mask`; for offline RL use `logprobs` as the behaviour policy and

@@ -22,23 +22,23 @@ truncation (top-p, top-k), end-token masking (min_tokens) or greedy decoding cha
   turn's record; every turn is trainable.
 
 **Constrained turns** (structured outputs: a turn sampled under a JSON schema, its record's
-`json_schema`). The engine masks every token the schema's grammar forbids before it samples, so
-the behaviour logprob it records is the masked distribution's, mu(a|s) = pi(a|s) / Z(s), where Z
-is the probability the grammar allowed (vLLM and SGLang report it so too); the trainer's policy
-pi has no mask. Trained as it stands, a constrained token's behaviour weight pi_prox / mu would
-be Z_prox (below 1, shrinking exactly the tokens the grammar steered) and, without the decoupled
-loss, its ratio pi_theta / mu would not be 1 on data just sampled. The policy that acts is the
-masked one, whose ratio mu_theta / mu_prox = (pi_theta / pi_prox) (Z_prox / Z_theta) is the
-unmasked ratio up to the change of Z, and whose behaviour weight mu_prox / mu_behav is 1 when the
-token was sampled by the proximal weights. So the trainer trains a constrained token with the
-proximal logprob in place of the recorded one (`constrained_turn`): ratio pi_theta / pi_prox (1 on
-on-policy data, clipped as every token's), behaviour weight 1. It computes proximal logprobs for
-a batch that holds such tokens whatever the algorithm; leaves them out of the engine-vs-trainer
-mismatch metrics (they differ by log Z by design) and reports them apart (`constrained_tokens`,
-and `constrained_log_mass`, the mean log Z of the fresh ones: how far the grammar steered). What
-this gives up: the version-lag correction of a stale constrained token (bounded by `eta`), and
-the gradient of log Z (the term -grad log Z_theta(s) of grad log mu_theta, which the mask would
-need in the trainer to compute).
+`json_schema`; a forced tool call held to its tool's schema, its record's `grammar`). The engine
+masks every token the schema's grammar forbids before it samples, so the behaviour logprob it
+records is the masked distribution's, mu(a|s) = pi(a|s) / Z(s), where Z is the probability the
+grammar allowed (vLLM and SGLang report it so too); the trainer's policy pi has no mask. Trained as
+it stands, a constrained token's behaviour weight pi_prox / mu would be Z_prox (below 1, shrinking
+exactly the tokens the grammar steered) and, without the decoupled loss, its ratio pi_theta / mu
+would not be 1 on data just sampled. The policy that acts is the masked one, whose ratio mu_theta /
+mu_prox = (pi_theta / pi_prox) (Z_prox / Z_theta) is the unmasked ratio up to the change of Z, and
+whose behaviour weight mu_prox / mu_behav is 1 when the token was sampled by the proximal weights.
+So the trainer trains a constrained token with the proximal logprob in place of the recorded one
+(`constrained_turn`): ratio pi_theta / pi_prox (1 on on-policy data, clipped as every token's),
+behaviour weight 1. It computes proximal logprobs for a batch that holds such tokens whatever the
+algorithm; leaves them out of the engine-vs-trainer mismatch metrics (they differ by log Z by
+design) and reports them apart (`constrained_tokens`, and `constrained_log_mass`, the mean log Z of
+the fresh ones: how far the grammar steered). What this gives up: the version-lag correction of a
+stale constrained token (bounded by `eta`), and the gradient of log Z (the term -grad log Z_theta(s)
+of grad log mu_theta, which the mask would need in the trainer to compute).
 
 **The turn budget** (`max_tokens`). The trainer shapes and normalises by the run's max new tokens
 per turn (DAPO's overlong penalty ends there, Dr.GRPO's norm_len is it), so the gateway enforces
@@ -115,9 +115,10 @@ def throttled(stored: dict[str, Any]) -> bool:
 
 
 def constrained_turn(sampling: Mapping[str, Any]) -> bool:
-    """Whether a turn was sampled under a grammar (its recorded `json_schema`): trained with the
-    proximal logprob as its behaviour logprob (module docstring, "Constrained turns")."""
-    return sampling.get("json_schema") is not None
+    """Whether a turn was sampled under a grammar (its recorded `json_schema`, or `grammar`: a
+    forced tool call): trained with the proximal logprob as its behaviour logprob (module
+    docstring, "Constrained turns")."""
+    return sampling.get("json_schema") is not None or sampling.get("grammar") is not None
 
 
 def reproducible_temperature(sampling: Mapping[str, Any], default: float) -> float | None:

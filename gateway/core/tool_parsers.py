@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from gateway.core import tool_grammars as tg
+from gateway.core.tool_grammars import Marks, literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,15 @@ class ToolCallParser(Protocol):
         """The text forced at the start of the reply when a tool must be called (name None: any
         tool, `tool_choice: required`; else that tool). Parsing prefill + generated text must give
         the call."""
+
+    def grammar(
+        self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
+    ) -> str | None:
+        """The grammar that continues `prefill(name)` (`gateway.core.tool_grammars`): the call's
+        arguments held to its tool's schema and the format's closing markup (`marks`: the
+        tokenizer's added tokens), then the end (more calls when `parallel` and the format
+        separates them). None: the format cannot be held (its values are bare text), and only
+        the prefill forces the call."""
 
 
 def _first_marker(text: str, markers: tuple[str, ...]) -> int:
@@ -115,6 +128,17 @@ class HermesParser:
             return "<tool_call>\n"
         return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
 
+    def grammar(
+        self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
+    ) -> str:
+        end = literal("\n</tool_call>", marks)
+        if name is not None:
+            return tg.grammar(f"args {literal('}', marks)} {end}", tg.named(tools, name))
+        again = literal("\n<tool_call>\n", marks)
+        more = f" ({again} call {end})*" if parallel else ""
+        call = tg.any_call(tools, '{"name": "{name}", "arguments": ', "}", marks)
+        return tg.grammar(f"call {end}{more}", [call, *tg.arguments_rules(tools)])
+
 
 _QWEN3_BLOCK_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 _QWEN3_FUNCTION_RE = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.S)
@@ -167,6 +191,11 @@ class Qwen3CoderParser:
     def prefill(self, name: str | None) -> str:
         return "<tool_call>\n<function=" if name is None else f"<tool_call>\n<function={name}>\n"
 
+    def grammar(
+        self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
+    ) -> None:
+        return None  # parameter values are bare text: only the prefill forces the call
+
 
 _DECODER = json.JSONDecoder()
 
@@ -206,6 +235,15 @@ class Llama3JsonParser:
         if name is None:
             return '{"name": "'
         return '{"name": ' + json.dumps(name) + ', "parameters": '
+
+    def grammar(
+        self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
+    ) -> str:
+        # one call: Llama 3.1/3.2 call one tool per reply
+        if name is not None:
+            return tg.grammar(f"args {literal('}', marks)}", tg.named(tools, name))
+        call = tg.any_call(tools, '{name}", "parameters": ', "}", marks)
+        return tg.grammar("call", [call, *tg.arguments_rules(tools)])
 
 
 class MistralParser:
@@ -260,6 +298,17 @@ class MistralParser:
         if name is None:
             return '[TOOL_CALLS][{"name": "'
         return '[TOOL_CALLS][{"name": ' + json.dumps(name) + ', "arguments": '
+
+    def grammar(
+        self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
+    ) -> str:
+        if name is not None:
+            return tg.grammar(f"args {literal('}]', marks)}", tg.named(tools, name))
+        # the first call's name is inside the prefill's string; the next ones are whole objects
+        first = tg.any_call(tools, '{name}", "arguments": ', "}", marks, rule="first")
+        more = tg.any_call(tools, ', {"name": "{name}", "arguments": ', "}", marks)
+        start = f"first{' call*' if parallel else ''} {literal(']', marks)}"
+        return tg.grammar(start, [first, more, *tg.arguments_rules(tools)])
 
 
 TOOL_PARSERS: dict[str, type[ToolCallParser]] = {

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from engines.base import Engine, GenerateRequest, SamplingParams, TokenChunk
 from engines.errors import PromptTooLongError
+from engines.grammar import GrammarError, lark_grammar
 from gateway.core.chat_render import ChatRenderer
 from gateway.core.choices import ChoiceRun, TokenPieces
 from gateway.core.detok import IncrementalDecoder
@@ -114,6 +115,8 @@ class TurnCore:
         added = getattr(renderer.tokenizer, "added_tokens_decoder", {})
         self._keep = frozenset(i for i, t in added.items() if t.special and t.content in markers)
         """Special tokens that are parsers' markers: decoded as text, so a parser sees them."""
+        self._marks = {t.content: i for i, t in added.items()}
+        """The added tokens, as a forced call's grammar writes its markup (`tool_grammars`)."""
 
     def prefill(self, prompt: ChatPrompt) -> str:
         """The text forced at the start of the reply: the client's own start, then what a
@@ -124,6 +127,29 @@ class TurnCore:
         elif choice.mode == "named":
             forced = self.parsers.tools.prefill(choice.name)
         return prompt.continues + forced
+
+    def held(self, prompts: list[Prompt], sp: SamplingParams) -> SamplingParams:
+        """`sp`, with the grammar that holds a forced tool call's arguments to its tool's schema
+        (`gateway.core.tool_grammars`) where the parser's format has one. The reply is then the
+        call, so it replaces a response format (as OpenAI applies one to text replies only)."""
+        [prompt] = prompts if len(prompts) == 1 else [None]
+        if not isinstance(prompt, ChatPrompt):
+            return sp
+        choice = prompt.tool_choice
+        if choice.mode not in ("required", "named"):
+            return sp
+        name = choice.name if choice.mode == "named" else None
+        text = self.parsers.tools.grammar(prompt.tools, name, choice.parallel, self._marks)
+        if text is None:
+            return sp
+        try:
+            lark_grammar(text)
+        except GrammarError as exc:
+            raise GrammarError(
+                f"tool_choice forces a call, but its arguments cannot be held to the tools' "
+                f"parameters: {exc}"
+            ) from None
+        return replace(sp, grammar=text, json_schema=None)
 
     async def start(
         self,
@@ -139,7 +165,7 @@ class TurnCore:
         (`gateway.core.sampling`; None outside a session). `retry`: the client says this repeats a
         request whose reply it never got (`gateway.core.segments`). `respond`: a choice's response
         JSON in the adapter's protocol, which is recorded with it."""
-        sp = sampling_params(spec.asked, run)
+        sp = self.held(spec.prompts, sampling_params(spec.asked, run))
         # A maximum the client did not ask for (the run's cap) is a limit, never a demand: where
         # the prompt leaves less room in the context, generate up to the room left.
         cap_to_context = spec.cap_to_context or spec.asked.max_new_tokens is None

@@ -7,8 +7,9 @@ continue generation, flush cache) and generates with the tiny model
 through transformers, so tokens and logprobs are real:
 
 - `/generate`: `input_ids`, `sampling_params` (max_new_tokens, min_new_tokens, temperature, top_p,
-  top_k (-1 off), stop_token_ids, ignore_eos, sampling_seed, no_stop_trim, json_schema: the
-  logits masked by the schema's grammar before the logprobs, as SGLang does), `return_logprob`,
+  top_k (-1 off), stop_token_ids, ignore_eos, sampling_seed, no_stop_trim, json_schema and
+  ebnf (Lark, as `--grammar-backend llguidance` reads it): the logits masked by the grammar
+  before the logprobs, as SGLang does), `return_logprob`,
   `top_logprobs_num`, `rid`, `stream` (cumulative SSE events, then `data: [DONE]`).
   `meta_info.output_token_logprobs` holds `[logprob, id, null]`, post-temperature;
   `finish_reason` is `{"type": "stop"|"length"|"abort", ...}`; aborted requests return their
@@ -114,8 +115,11 @@ class FakeSGLang:
         top_k = int(p.get("top_k", -1))
         stops = set(p.get("stop_token_ids") or ()) | (set() if p.get("ignore_eos") else self.eos)
         constraint = None
-        if p.get("json_schema") is not None:  # SGLang masks the logits before its logprobs
-            constraint = self.grammars.matcher(str(p["json_schema"]))
+        schema, ebnf = p.get("json_schema"), p.get("ebnf")
+        if schema is not None or ebnf is not None:  # SGLang masks the logits before its logprobs
+            constraint = self.grammars.matcher(
+                None if schema is None else str(schema), None if ebnf is None else str(ebnf)
+            )
         rng = torch.Generator()
         if p.get("sampling_seed") is not None:
             rng.manual_seed(int(p["sampling_seed"]))

@@ -338,3 +338,32 @@ async def test_a_json_schema_reaches_the_server_and_holds_the_reply(
     free = teacher_forced(tiny_model, list(PROMPT + r.token_ids), 1.0)[len(PROMPT) :]
     assert all(a >= b - ATOL for a, b in zip(r.logprobs, free, strict=True))
     assert any(a > b + 0.1 for a, b in zip(r.logprobs, free, strict=True))
+
+
+async def test_a_forced_tool_calls_grammar_reaches_the_server_as_ebnf(
+    fake: FakeServer, tiny_model: Path
+) -> None:
+    """A forced tool call's grammar (llguidance's Lark) passes through as SGLang's `ebnf`, which
+    `--grammar-backend llguidance` (the launcher's) reads as Lark: the reply is the call."""
+    import json
+
+    from engines.tiny_model import load_tokenizer
+    from gateway.core.tool_parsers import HermesParser
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}}
+    tools = [{"type": "function", "function": {"name": "count", "parameters": schema}}]
+    tok = load_tokenizer(tiny_model)
+    marks = {t.content: i for i, t in tok.added_tokens_decoder.items()}
+    parser = HermesParser()
+    grammar = parser.grammar(tools, "count", False, marks)
+    prompt = tuple(tok.encode("count" + parser.prefill("count")))
+    engine = await connect(fake.url)
+    try:
+        sampling = SamplingParams(temperature=1.0, seed=3, max_new_tokens=60, grammar=grammar)
+        r = await collect(engine, GenerateRequest(prompt_ids=prompt, sampling=sampling))
+    finally:
+        await engine.close()
+    assert r.finish_reason == FinishReason.STOP
+    _, [call] = parser.parse(parser.prefill("count") + tok.decode(list(r.token_ids[:-1])))
+    assert call.name == "count"
+    assert json.loads(call.arguments).keys() <= {"n"}

@@ -51,6 +51,7 @@ async def test_the_launcher_starts_sglang_with_its_flags_restarts_it_and_stops_i
         assert argv[argv.index("--model-path") + 1] == str(tiny_model)
         assert argv[argv.index("--served-model-name") + 1] == "tiny"
         assert argv[argv.index("--context-length") + 1] == "512"
+        assert argv[argv.index("--grammar-backend") + 1] == "llguidance"
         assert argv[argv.index("--port") + 1] == str(server.port)
         assert argv[-2:] == ["--tp-size", "1"]
         assert first["env"] == {ORIGINAL_LOGPROB_ENV: None, "HF_HUB_OFFLINE": "1"}

