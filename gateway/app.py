@@ -162,6 +162,7 @@ def create_app(
             "running": h.running,
             "waiting": h.waiting,
             "restarts": h.restarts,
+            "parsers": gw.parsers.shown(),
         }
         if not h.ok:
             body["reason"] = h.detail

@@ -7,6 +7,7 @@ routes do not import each other.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -30,6 +31,8 @@ from gateway.protocols.responses.kept import KeptResponses
 from gateway.run_configs import RunConfigs
 from gateway.settings import GatewaySettings
 from store import Store
+
+log = logging.getLogger(__name__)
 
 RunConfigCheck = Callable[[dict[str, Any]], None]
 """Validates a run's config (`POST /runs {"config": ...}`); raises ValueError with a message that
@@ -79,6 +82,7 @@ class Gateway:
     run_configs: RunConfigs
     metrics: GatewayMetrics
     check_run_config: RunConfigCheck
+    parsers: Parsers
 
     @property
     def store(self) -> Store:
@@ -92,13 +96,24 @@ class Gateway:
 def parsers_of(settings: GatewaySettings, tokenizer: Any) -> Parsers:
     """The model family's parsers: from the settings, or (auto) from its chat template."""
     from gateway.core.reasoning_parsers import build_reasoning_parser
-    from gateway.core.tool_parsers import build_tool_parser
+    from gateway.core.tool_parsers import TOOL_PARSERS, NoToolParser, build_tool_parser
 
     template = str(getattr(tokenizer, "chat_template", None) or "")
-    return Parsers(
+    parsers = Parsers(
         build_tool_parser(settings.tool_parser, template),
         build_reasoning_parser(settings.reasoning_parser, template),
     )
+    how = "from the chat template" if settings.tool_parser == "auto" else "--tool-parser"
+    if isinstance(parsers.tools, NoToolParser):
+        log.warning(
+            "the chat template writes tool calls in no format the gateway knows: requests that "
+            "ask for tool calls get a 400 until --tool-parser names one (%s)",
+            ", ".join(TOOL_PARSERS),
+        )
+    else:
+        log.info("tool-call parser: %s (%s)", parsers.tools.name, how)
+    log.info("reasoning parser: %s", parsers.reasoning_name)
+    return parsers
 
 
 def build_gateway(
@@ -110,7 +125,8 @@ def build_gateway(
     metrics = metrics or GatewayMetrics()
     renderer = ChatRenderer(c.tokenizer, c.eos_token_ids)
     recorder = Recorder(c.store, SegmentTracker(c.store), on_commit=metrics.observe_records)
-    core = TurnCore(c.engine, renderer, recorder, c.model_name, parsers_of(settings, c.tokenizer))
+    parsers = parsers_of(settings, c.tokenizer)
+    core = TurnCore(c.engine, renderer, recorder, c.model_name, parsers)
     return Gateway(
         settings=settings,
         components=c,
@@ -125,6 +141,7 @@ def build_gateway(
         run_configs=RunConfigs(c.store),
         metrics=metrics,
         check_run_config=check_run_config,
+        parsers=parsers,
     )
 
 

@@ -311,6 +311,28 @@ class MistralParser:
         return tg.grammar(start, [first, more, *tg.arguments_rules(tools)])
 
 
+class NoToolParser:
+    """The chat template writes tool calls in no format a parser here knows (auto detection found
+    none): a request whose calls would be read is refused with a 400 that names `--tool-parser`
+    (`gateway.core.turn.TurnCore`), rather than read by a guess; without tools, or with
+    `tool_choice: none`, nothing is parsed and replies are text."""
+
+    name = "unknown"
+    markers: tuple[str, ...] = ()
+    call_end: str | None = None
+
+    def parse(self, text: str) -> Parsed:
+        return text, []
+
+    def prefill(self, name: str | None) -> str:
+        raise AssertionError("a tool call is never forced without a parser")
+
+    def grammar(
+        self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
+    ) -> None:
+        return None
+
+
 TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,
     "qwen3_coder": Qwen3CoderParser,
@@ -322,27 +344,32 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
 _LLAMA3_INSTRUCTION_RE = re.compile(r'\{"name":[^{}]*"parameters"')
 
 
-def detect_tool_parser(chat_template: str) -> str:
+def detect_tool_parser(chat_template: str) -> str | None:
     """The parser a chat template's own tool-call format calls for: qwen3_coder when it writes
     `<function=`, hermes for `<tool_call>`, mistral for `[TOOL_CALLS]`, llama3_json for
-    `<|python_tag|>` or a Llama-3 style `"parameters"` JSON instruction; hermes when nothing
-    matches."""
+    `<|python_tag|>` or a Llama-3 style `"parameters"` JSON instruction; None when nothing
+    matches (never a guess: a format read by the wrong parser is silently plain text)."""
     if "<function=" in chat_template:
         return "qwen3_coder"
+    if "<arg_key>" in chat_template:
+        return None  # GLM-4.5+: `<tool_call>NAME<arg_key>...`, which hermes would read as text
     if "<tool_call>" in chat_template:
         return "hermes"
     if "[TOOL_CALLS]" in chat_template:
         return "mistral"
     if "<|python_tag|>" in chat_template or _LLAMA3_INSTRUCTION_RE.search(chat_template):
         return "llama3_json"
-    return "hermes"
+    return None
 
 
 def build_tool_parser(name: str, chat_template: str) -> ToolCallParser:
-    """`name` "auto": detected from the template; else the registry's entry (ValueError naming
-    the known parsers for an unknown name)."""
+    """`name` "auto": detected from the template (`NoToolParser` when nothing matches); else the
+    registry's entry (ValueError naming the known parsers for an unknown name)."""
     if name == "auto":
-        name = detect_tool_parser(chat_template)
+        detected = detect_tool_parser(chat_template)
+        if detected is None:
+            return NoToolParser()
+        name = detected
     if name not in TOOL_PARSERS:
         known = ", ".join(["auto", *TOOL_PARSERS])
         raise ValueError(f"unknown tool parser {name!r}: use one of {known}")

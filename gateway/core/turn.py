@@ -35,6 +35,7 @@ from gateway.core.detok import IncrementalDecoder
 from gateway.core.recorder import Match, Plan, Recorder
 from gateway.core.sampling import contract_of, max_tokens_cap, sampling_params
 from gateway.core.segments import LiveSegment, extends, extends_tokens, repeats, repeats_tokens
+from gateway.core.tool_parsers import TOOL_PARSERS, NoToolParser
 from gateway.core.turn_run import Turn
 from gateway.core.turn_types import (
     RECORD_KEY,
@@ -47,6 +48,7 @@ from gateway.core.turn_types import (
     TurnContext,
     TurnSpec,
 )
+from gateway.errors import BadRequest
 from store.run_config import RunConfig
 from store.types import JSON, LastTurn
 
@@ -128,6 +130,23 @@ class TurnCore:
             forced = self.parsers.tools.prefill(choice.name)
         return prompt.continues + forced
 
+    def check_tools(self, prompts: list[Prompt]) -> None:
+        """A 400 for a request whose tool calls would be read when no parser knows the model's
+        format (`NoToolParser`): never read by a guess, which would hand the agent its calls as
+        plain text."""
+        if not isinstance(self.parsers.tools, NoToolParser):
+            return
+        for prompt in prompts:
+            if isinstance(prompt, ChatPrompt) and prompt.tool_choice.mode != "none":
+                known = ", ".join(TOOL_PARSERS)
+                raise BadRequest(
+                    "this model's chat template writes tool calls in a format the gateway does "
+                    "not recognise, so they cannot be read: start the gateway with "
+                    f"--tool-parser NAME (one of {known}) for the format the model writes, or "
+                    "send tool_choice: none",
+                    param="tools",
+                )
+
     def held(self, prompts: list[Prompt], sp: SamplingParams) -> SamplingParams:
         """`sp`, with the grammar that holds a forced tool call's arguments to its tool's schema
         (`gateway.core.tool_grammars`) where the parser's format has one. The reply is then the
@@ -165,6 +184,7 @@ class TurnCore:
         (`gateway.core.sampling`; None outside a session). `retry`: the client says this repeats a
         request whose reply it never got (`gateway.core.segments`). `respond`: a choice's response
         JSON in the adapter's protocol, which is recorded with it."""
+        self.check_tools(spec.prompts)
         sp = self.held(spec.prompts, sampling_params(spec.asked, run))
         # A maximum the client did not ask for (the run's cap) is a limit, never a demand: where
         # the prompt leaves less room in the context, generate up to the room left.

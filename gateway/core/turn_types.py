@@ -177,6 +177,15 @@ class Parsers:
     def reasoning_markers(self) -> tuple[str, ...]:
         return () if self.reasoning is None else self.reasoning.markers
 
+    @property
+    def reasoning_name(self) -> str:
+        return "none" if self.reasoning is None else self.reasoning.name
+
+    def shown(self) -> dict[str, str]:
+        """What `/health` and `/v1/models` say reads the replies: the tool-call parser
+        (`unknown`: the template's format is not one the gateway knows) and the reasoning one."""
+        return {"tool_calls": self.tools.name, "reasoning": self.reasoning_name}
+
 
 @dataclass(frozen=True, slots=True)
 class TurnContext:

@@ -55,7 +55,8 @@ async def completions(gw: GatewayDep, request: Request, body: CompletionRequest)
 @router.get("/v1/models", responses=error_docs(401, 500))
 async def models(gw: GatewayDep, request: Request) -> ModelList:
     await resolve(request, gw.sessions, gw.settings.admin_token, session_of(request))
-    return ModelList(data=[Model(id=gw.components.model_name, created=int(time.time()))])
+    model = Model(id=gw.components.model_name, created=int(time.time()), parsers=gw.parsers.shown())
+    return ModelList(data=[model])
 
 
 @router.get("/v1/models/{model_id:path}", responses=error_docs(401, 404, 500))
@@ -68,4 +69,4 @@ async def model(gw: GatewayDep, request: Request, model_id: str) -> Model:
             f"the model {model_id!r} does not exist here: this gateway serves "
             f"{gw.components.model_name!r} (GET /v1/models lists it)"
         )
-    return Model(id=model_id, created=int(time.time()))
+    return Model(id=model_id, created=int(time.time()), parsers=gw.parsers.shown())

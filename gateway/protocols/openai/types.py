@@ -229,6 +229,10 @@ class Model(BaseModel):
     created: int
     """When this answer was made (Unix seconds): the gateway serves whatever its engines hold."""
     owned_by: str = "rlgateway"
+    parsers: dict[str, str] = {}
+    """How replies are read (an rlgateway field): the tool-call parser (`unknown`: the chat
+    template's format is not one the gateway knows, so tool calls are refused) and the reasoning
+    parser."""
 
 
 class ModelList(BaseModel):

@@ -19,6 +19,7 @@ from gateway.core.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,
+    NoToolParser,
     ParsedToolCall,
     Qwen3CoderParser,
     ToolCallParser,
@@ -326,6 +327,14 @@ TEMPLATES = {
 }
 
 
+GLM45_CALLS = (
+    "{%- for tc in m.tool_calls %}{{- '<tool_call>' + tc.name }}"
+    "{% for k, v in tc.arguments.items() %}\n<arg_key>{{ k }}</arg_key>\n"
+    "<arg_value>{{ v }}</arg_value>{% endfor %}\n</tool_call>"
+    "{% endfor %}"
+)
+
+
 @pytest.mark.parametrize(("expected", "template"), list(TEMPLATES.items()))
 def test_the_template_picks_the_parser(expected: str, template: str) -> None:
     assert detect_tool_parser(template) == expected
@@ -340,12 +349,25 @@ def test_the_template_picks_the_parser(expected: str, template: str) -> None:
             "argument name and its value}. Do not use variables.",
             "llama3_json",
         ),
-        ("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}", "hermes"),
-        ("", "hermes"),
+        ("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}", None),
+        ("", None),
+        # GLM-4.5's calls: `<tool_call>` then a name and key/value tags, no hermes JSON
+        (GLM45_CALLS, None),
     ],
 )
-def test_a_llama_instruction_or_nothing_recognisable(template: str, expected: str) -> None:
+def test_a_llama_instruction_or_nothing_recognisable(template: str, expected: str | None) -> None:
+    """Nothing recognisable is no parser, never a guess (hermes would read GLM's calls as text)."""
     assert detect_tool_parser(template) == expected
+    parser = build_tool_parser("auto", template)
+    assert (parser.name == expected) if expected else isinstance(parser, NoToolParser)
+
+
+def test_no_parser_reads_every_reply_as_text() -> None:
+    parser = NoToolParser()
+    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert parser.parse(text) == (text, [])
+    assert parser.markers == ()
+    assert parser.grammar([], None, True, {}) is None
 
 
 def test_the_registry_builds_each_parser_by_its_name() -> None:
