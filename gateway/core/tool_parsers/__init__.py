@@ -1,0 +1,95 @@
+"""Tool calls out of generated text, one parser per model family's format (vLLM's names), one
+module per family; this module is the registry and the detection from a chat template.
+
+Each model family writes tool calls in its own markup; a parser turns a finished reply into
+(content, calls) and says how the reply must start when a tool call is forced. The formats:
+
+- `hermes` (Qwen2.5, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
+- `qwen3_coder`: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n`, then
+  `</function>\\n</tool_call>`; values are text, read back as JSON when they parse as JSON.
+- `llama3_json` (Llama 3.1/3.2): the whole reply, after an optional `<|python_tag|>`, is
+  `{"name": ..., "parameters": {...}}`, or several joined by `;`.
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v3), or
+  `[TOOL_CALLS]NAME[ARGS]{...}` repeated (v11 and later).
+
+Markers: every call starts with one of the parser's `markers`, and text with none is content. That
+is what lets a stream show text as it comes without ever showing markup: the streamer cuts visible
+text at the first marker and holds back a tail that could be the start of one, and the full parse
+at the end decides what the held text was.
+
+Malformed calls stay text: a call that does not parse (bad JSON, no name, ...) makes the whole reply
+content with no calls. A reply is recorded for training exactly as the model wrote it, and the agent
+sees what the model said rather than a call half-invented by a lenient parser (where vLLM would
+return a malformed call, here it is text).
+"""
+
+from __future__ import annotations
+
+import re
+
+from gateway.core.tool_parsers.base import (
+    NoToolParser,
+    Parsed,
+    ParsedToolCall,
+    ToolCallParser,
+)
+from gateway.core.tool_parsers.hermes import HermesParser
+from gateway.core.tool_parsers.llama3_json import Llama3JsonParser
+from gateway.core.tool_parsers.mistral import MistralParser
+from gateway.core.tool_parsers.qwen3_coder import Qwen3CoderParser
+
+__all__ = [
+    "TOOL_PARSERS",
+    "HermesParser",
+    "Llama3JsonParser",
+    "MistralParser",
+    "NoToolParser",
+    "Parsed",
+    "ParsedToolCall",
+    "Qwen3CoderParser",
+    "ToolCallParser",
+    "build_tool_parser",
+    "detect_tool_parser",
+]
+
+TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
+    "hermes": HermesParser,
+    "qwen3_coder": Qwen3CoderParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+}
+
+# Llama 3.1/3.2's instruction: `{"name": function name, "parameters": dictionary of ...}`.
+_LLAMA3_INSTRUCTION_RE = re.compile(r'\{"name":[^{}]*"parameters"')
+
+
+def detect_tool_parser(chat_template: str) -> str | None:
+    """The parser a chat template's own tool-call format calls for: qwen3_coder when it writes
+    `<function=`, hermes for `<tool_call>`, mistral for `[TOOL_CALLS]`, llama3_json for
+    `<|python_tag|>` or a Llama-3 style `"parameters"` JSON instruction; None when nothing
+    matches (never a guess: a format read by the wrong parser is silently plain text)."""
+    if "<function=" in chat_template:
+        return "qwen3_coder"
+    if "<arg_key>" in chat_template:
+        return None  # GLM-4.5+: `<tool_call>NAME<arg_key>...`, which hermes would read as text
+    if "<tool_call>" in chat_template:
+        return "hermes"
+    if "[TOOL_CALLS]" in chat_template:
+        return "mistral"
+    if "<|python_tag|>" in chat_template or _LLAMA3_INSTRUCTION_RE.search(chat_template):
+        return "llama3_json"
+    return None
+
+
+def build_tool_parser(name: str, chat_template: str) -> ToolCallParser:
+    """`name` "auto": detected from the template (`NoToolParser` when nothing matches); else the
+    registry's entry (ValueError naming the known parsers for an unknown name)."""
+    if name == "auto":
+        detected = detect_tool_parser(chat_template)
+        if detected is None:
+            return NoToolParser()
+        name = detected
+    if name not in TOOL_PARSERS:
+        known = ", ".join(["auto", *TOOL_PARSERS])
+        raise ValueError(f"unknown tool parser {name!r}: use one of {known}")
+    return TOOL_PARSERS[name]()

@@ -1,0 +1,99 @@
+"""What every tool-call parser shares: the parsed call, the parser protocol, and the helpers
+that read names and JSON calls (`gateway.core.tool_parsers` says how the formats are read)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.core.tool_grammars import Marks
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedToolCall:
+    name: str
+    arguments: str
+    """The arguments as a JSON string, as OpenAI returns them."""
+
+
+Parsed = tuple[str | None, list[ParsedToolCall]]
+
+
+class ToolCallParser(Protocol):
+    name: str
+    markers: tuple[str, ...]
+    """Texts that may start a tool call. While a reply streams, visible text is cut at the first
+    marker and a partial marker at the end is held back (so markup is never streamed as text)."""
+    call_end: str | None
+    """The text that ends one call, where the format has one: a turn that may make one call
+    only (`parallel_tool_calls: false`) stops there, so no second call is ever sampled."""
+
+    def parse(self, text: str) -> Parsed:
+        """(content outside the calls, stripped, None when empty; the calls). A malformed call
+        (bad JSON, no name, ...) makes the WHOLE text content with no calls, so nothing the model
+        wrote is lost; text with no marker is all content. Without calls the content is `text`
+        itself, unstripped."""
+
+    def prefill(self, name: str | None) -> str:
+        """The text forced at the start of the reply when a tool must be called (name None: any
+        tool, `tool_choice: required`; else that tool). Parsing prefill + generated text must give
+        the call."""
+
+    def grammar(
+        self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
+    ) -> str | None:
+        """The grammar that continues `prefill(name)` (`gateway.core.tool_grammars`): the call's
+        arguments held to its tool's schema and the format's closing markup (`marks`: the
+        tokenizer's added tokens), then the end (more calls when `parallel` and the format
+        separates them). None: the format cannot be held (its values are bare text), and only
+        the prefill forces the call."""
+
+
+def first_marker(text: str, markers: tuple[str, ...]) -> int:
+    found = [i for i in (text.find(m) for m in markers) if i >= 0]
+    return min(found, default=-1)
+
+
+def with_calls(content: str, calls: list[ParsedToolCall]) -> Parsed:
+    return (content.strip() or None), calls
+
+
+def json_call(obj: Any) -> ParsedToolCall | None:
+    """`{"name": str, "arguments" or "parameters": object or JSON string}`, else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ParsedToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+
+
+def is_name(name: str) -> bool:
+    """A function name written as bare text: no whitespace, quotes, braces or angle brackets
+    (so template residue like `{{ tc.name }}` is not a call)."""
+    return bool(name) and not any(c in "{}<>[]\"' \t\r\n" for c in name)
+
+
+DECODER = json.JSONDecoder()
+
+
+class NoToolParser:
+    """The chat template writes tool calls in no format a parser here knows (auto detection found
+    none): a request whose calls would be read is refused with a 400 that names `--tool-parser`
+    (`gateway.core.turn.TurnCore`), rather than read by a guess; without tools, or with
+    `tool_choice: none`, nothing is parsed and replies are text."""
+
+    name = "unknown"
+    markers: tuple[str, ...] = ()
+    call_end: str | None = None
+
+    def parse(self, text: str) -> Parsed:
+        return text, []
+
+    def prefill(self, name: str | None) -> str:
+        raise AssertionError("a tool call is never forced without a parser")
+
+    def grammar(
+        self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
+    ) -> None:
+        return None

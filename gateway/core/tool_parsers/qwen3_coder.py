@@ -1,0 +1,68 @@
+"""qwen3_coder: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n`, then
+`</function>\\n</tool_call>`; values are text, read back as JSON when they parse as JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.core.tool_grammars import Marks
+from gateway.core.tool_parsers.base import Parsed, ParsedToolCall, first_marker, is_name, with_calls
+
+_QWEN3_BLOCK_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+_QWEN3_FUNCTION_RE = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.S)
+_QWEN3_PARAMETER_RE = re.compile(
+    r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S
+)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parameter_value(raw: str) -> Any:
+    """One newline each side is the format's own; the rest is the value, read as JSON (numbers,
+    booleans, null, arrays, objects) when it parses, else kept as the string."""
+    raw = raw.removeprefix("\n").removesuffix("\n")
+    try:
+        return json.loads(raw.strip(), parse_constant=_reject_constant)
+    except ValueError:
+        return raw
+
+
+class Qwen3CoderParser:
+    """Qwen3-Coder's XML calls. Like vLLM, a call without its `<tool_call>` wrapper, or missing
+    its closing tags at the very end, is still read."""
+
+    name = "qwen3_coder"
+    markers: tuple[str, ...] = ("<tool_call>", "<function=")
+    call_end: str | None = "</tool_call>"
+
+    def parse(self, text: str) -> Parsed:
+        start = first_marker(text, self.markers)
+        if start < 0:
+            return text, []
+        rest = text[start:]
+        bodies = _QWEN3_BLOCK_RE.findall(rest) if rest.startswith("<tool_call>") else [rest]
+        calls = []
+        for body in bodies:
+            functions = _QWEN3_FUNCTION_RE.findall(body)
+            if not functions:
+                return text, []
+            for name, body_params in functions:
+                params = _QWEN3_PARAMETER_RE.findall(body_params)
+                if not is_name(name) or not all(is_name(p) for p, _ in params):
+                    return text, []
+                args = {p: _parameter_value(v) for p, v in params}
+                calls.append(ParsedToolCall(name, json.dumps(args)))
+        return with_calls(text[:start], calls)
+
+    def prefill(self, name: str | None) -> str:
+        return "<tool_call>\n<function=" if name is None else f"<tool_call>\n<function={name}>\n"
+
+    def grammar(
+        self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
+    ) -> None:
+        return None  # parameter values are bare text: only the prefill forces the call
