@@ -113,7 +113,7 @@ class TurnCore:
         self.pieces = TokenPieces(renderer.tokenizer)
         self.context = TurnContext(recorder, parsers, self.pieces, model_name)
         """What the turns this core starts read of it."""
-        markers = {*parsers.tools.markers, *parsers.reasoning_markers}
+        markers = {*parsers.tools.markup, *parsers.reasoning_markers}
         added = getattr(renderer.tokenizer, "added_tokens_decoder", {})
         self._keep = frozenset(i for i, t in added.items() if t.special and t.content in markers)
         """Special tokens that are parsers' markers: decoded as text, so a parser sees them."""

@@ -151,7 +151,8 @@ class Turn:
         content: str | None = split.answer if split.reasoning is None else split.answer or None
         calls: tuple[ToolCall, ...] = ()
         if group.parses_tools:
-            content, parsed = self.context.parsers.tools.parse(split.answer)
+            tools = group.prompt.tools if isinstance(group.prompt, ChatPrompt) else []
+            content, parsed = self.context.parsers.tools.parse(split.answer, tools)
             ids = self._call_ids.setdefault(run.index, [])
             while len(ids) < len(parsed):
                 ids.append(f"call_{uuid.uuid4().hex[:24]}")

@@ -11,6 +11,8 @@ Each model family writes tool calls in its own markup; a parser turns a finished
   `{"name": ..., "parameters": {...}}`, or several joined by `;`.
 - `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v3), or
   `[TOOL_CALLS]NAME[ARGS]{...}` repeated (v11 and later).
+- `glm45` (GLM-4.5, GLM-4.6): `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n`
+  ... `</tool_call>`; string values bare, others JSON, read back by the declared type.
 
 Markers: every call starts with one of the parser's `markers`, and text with none is content. That
 is what lets a stream show text as it comes without ever showing markup: the streamer cuts visible
@@ -33,6 +35,7 @@ from gateway.core.tool_parsers.base import (
     ParsedToolCall,
     ToolCallParser,
 )
+from gateway.core.tool_parsers.glm45 import Glm45Parser
 from gateway.core.tool_parsers.hermes import HermesParser
 from gateway.core.tool_parsers.llama3_json import Llama3JsonParser
 from gateway.core.tool_parsers.mistral import MistralParser
@@ -40,6 +43,7 @@ from gateway.core.tool_parsers.qwen3_coder import Qwen3CoderParser
 
 __all__ = [
     "TOOL_PARSERS",
+    "Glm45Parser",
     "HermesParser",
     "Llama3JsonParser",
     "MistralParser",
@@ -57,6 +61,7 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "qwen3_coder": Qwen3CoderParser,
     "llama3_json": Llama3JsonParser,
     "mistral": MistralParser,
+    "glm45": Glm45Parser,
 }
 
 # Llama 3.1/3.2's instruction: `{"name": function name, "parameters": dictionary of ...}`.
@@ -65,13 +70,13 @@ _LLAMA3_INSTRUCTION_RE = re.compile(r'\{"name":[^{}]*"parameters"')
 
 def detect_tool_parser(chat_template: str) -> str | None:
     """The parser a chat template's own tool-call format calls for: qwen3_coder when it writes
-    `<function=`, hermes for `<tool_call>`, mistral for `[TOOL_CALLS]`, llama3_json for
-    `<|python_tag|>` or a Llama-3 style `"parameters"` JSON instruction; None when nothing
-    matches (never a guess: a format read by the wrong parser is silently plain text)."""
+    `<function=`, glm45 for `<arg_key>`, hermes for `<tool_call>`, mistral for `[TOOL_CALLS]`,
+    llama3_json for `<|python_tag|>` or a Llama-3 style `"parameters"` JSON instruction; None when
+    nothing matches (never a guess: a format read by the wrong parser is silently plain text)."""
     if "<function=" in chat_template:
         return "qwen3_coder"
     if "<arg_key>" in chat_template:
-        return None  # GLM-4.5+: `<tool_call>NAME<arg_key>...`, which hermes would read as text
+        return "glm45"  # before hermes: GLM's calls open with `<tool_call>` too
     if "<tool_call>" in chat_template:
         return "hermes"
     if "[TOOL_CALLS]" in chat_template:

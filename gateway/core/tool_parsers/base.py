@@ -29,12 +29,16 @@ class ToolCallParser(Protocol):
     call_end: str | None
     """The text that ends one call, where the format has one: a turn that may make one call
     only (`parallel_tool_calls: false`) stops there, so no second call is ever sampled."""
+    markup: tuple[str, ...]
+    """Every tag of the format: a special token that is one of them is decoded as text, so the
+    parser sees it (a tokenizer may mark `[ARGS]` or `<arg_key>` special)."""
 
-    def parse(self, text: str) -> Parsed:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> Parsed:
         """(content outside the calls, stripped, None when empty; the calls). A malformed call
         (bad JSON, no name, ...) makes the WHOLE text content with no calls, so nothing the model
         wrote is lost; text with no marker is all content. Without calls the content is `text`
-        itself, unstripped."""
+        itself, unstripped. `tools` (the request's): a format that writes values as bare text
+        reads a value of a `string` parameter as the text, others as JSON (`typed_value`)."""
 
     def prefill(self, name: str | None) -> str:
         """The text forced at the start of the reply when a tool must be called (name None: any
@@ -49,6 +53,31 @@ class ToolCallParser(Protocol):
         tokenizer's added tokens), then the end (more calls when `parallel` and the format
         separates them). None: the format cannot be held (its values are bare text), and only
         the prefill forces the call."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parameter_type(tools: Sequence[dict[str, Any]], function: str, key: str) -> Any:
+    """The JSON-schema `type` of parameter `key` of tool `function` (None when not declared)."""
+    for tool in tools:
+        fn = tool.get("function", {})
+        if fn.get("name") == function:
+            prop = ((fn.get("parameters") or {}).get("properties") or {}).get(key)
+            return prop.get("type") if isinstance(prop, dict) else None
+    return None
+
+
+def typed_value(raw: str, declared: Any) -> Any:
+    """A value a format writes as bare text: the text itself for a `string` parameter, else read
+    as JSON (numbers, booleans, null, arrays, objects) when it parses, else the text."""
+    if declared == "string":
+        return raw
+    try:
+        return json.loads(raw.strip(), parse_constant=_reject_constant)
+    except ValueError:
+        return raw
 
 
 def first_marker(text: str, markers: tuple[str, ...]) -> int:
@@ -86,8 +115,9 @@ class NoToolParser:
     name = "unknown"
     markers: tuple[str, ...] = ()
     call_end: str | None = None
+    markup: tuple[str, ...] = ()
 
-    def parse(self, text: str) -> Parsed:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> Parsed:
         return text, []
 
     def prefill(self, name: str | None) -> str:

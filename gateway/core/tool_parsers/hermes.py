@@ -21,8 +21,9 @@ class HermesParser:
     name = "hermes"
     markers: tuple[str, ...] = ("<tool_call>",)
     call_end: str | None = "</tool_call>"
+    markup: tuple[str, ...] = ("<tool_call>", "</tool_call>")
 
-    def parse(self, text: str) -> Parsed:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> Parsed:
         start = first_marker(text, self.markers)
         if start < 0:
             return text, []

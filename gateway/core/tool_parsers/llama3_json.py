@@ -21,8 +21,9 @@ class Llama3JsonParser:
     name = "llama3_json"
     markers: tuple[str, ...] = ("<|python_tag|>", '{"name"')
     call_end: str | None = None  # a call ends where its JSON does: no text marks it
+    markup: tuple[str, ...] = ("<|python_tag|>",)
 
-    def parse(self, text: str) -> Parsed:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> Parsed:
         if first_marker(text, self.markers) < 0:
             return text, []
         body = text.strip().removeprefix("<|python_tag|>").strip()

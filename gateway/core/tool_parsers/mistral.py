@@ -28,8 +28,9 @@ class MistralParser:
     name = "mistral"
     markers: tuple[str, ...] = ("[TOOL_CALLS]",)
     call_end: str | None = None  # one array holds every call
+    markup: tuple[str, ...] = ("[TOOL_CALLS]", "[ARGS]")
 
-    def parse(self, text: str) -> Parsed:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> Parsed:
         start = first_marker(text, self.markers)
         if start < 0:
             return text, []

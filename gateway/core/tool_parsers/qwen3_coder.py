@@ -9,27 +9,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.core.tool_grammars import Marks
-from gateway.core.tool_parsers.base import Parsed, ParsedToolCall, first_marker, is_name, with_calls
+from gateway.core.tool_parsers.base import (
+    Parsed,
+    ParsedToolCall,
+    first_marker,
+    is_name,
+    parameter_type,
+    typed_value,
+    with_calls,
+)
 
 _QWEN3_BLOCK_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 _QWEN3_FUNCTION_RE = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.S)
 _QWEN3_PARAMETER_RE = re.compile(
     r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S
 )
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _parameter_value(raw: str) -> Any:
-    """One newline each side is the format's own; the rest is the value, read as JSON (numbers,
-    booleans, null, arrays, objects) when it parses, else kept as the string."""
-    raw = raw.removeprefix("\n").removesuffix("\n")
-    try:
-        return json.loads(raw.strip(), parse_constant=_reject_constant)
-    except ValueError:
-        return raw
 
 
 class Qwen3CoderParser:
@@ -39,8 +33,16 @@ class Qwen3CoderParser:
     name = "qwen3_coder"
     markers: tuple[str, ...] = ("<tool_call>", "<function=")
     call_end: str | None = "</tool_call>"
+    markup: tuple[str, ...] = (
+        "<tool_call>",
+        "</tool_call>",
+        "<function=",
+        "</function>",
+        "<parameter=",
+        "</parameter>",
+    )
 
-    def parse(self, text: str) -> Parsed:
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> Parsed:
         start = first_marker(text, self.markers)
         if start < 0:
             return text, []
@@ -55,7 +57,13 @@ class Qwen3CoderParser:
                 params = _QWEN3_PARAMETER_RE.findall(body_params)
                 if not is_name(name) or not all(is_name(p) for p, _ in params):
                     return text, []
-                args = {p: _parameter_value(v) for p, v in params}
+                # one newline each side of a value is the format's own
+                args = {
+                    p: typed_value(
+                        v.removeprefix("\n").removesuffix("\n"), parameter_type(tools, name, p)
+                    )
+                    for p, v in params
+                }
                 calls.append(ParsedToolCall(name, json.dumps(args)))
         return with_calls(text[:start], calls)
 

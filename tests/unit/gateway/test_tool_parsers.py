@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from gateway.core.tool_parsers import (
     TOOL_PARSERS,
+    Glm45Parser,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
@@ -51,6 +52,19 @@ def _qwen3(calls: list[Call]) -> str:
     )
 
 
+def _glm45(calls: list[Call]) -> str:
+    """As GLM-4.5's template writes calls: bare strings, JSON otherwise."""
+    return "\n".join(
+        f"<tool_call>{n}\n"
+        + "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{_qwen3_value(v)}</arg_value>\n"
+            for k, v in a.items()
+        )
+        + "</tool_call>"
+        for n, a in calls
+    )
+
+
 def _llama3(calls: list[Call]) -> str:
     return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
 
@@ -69,6 +83,7 @@ FORMATS: dict[str, tuple[ToolCallParser, Callable[[list[Call]], str]]] = {
     "llama3_json": (Llama3JsonParser(), _llama3),
     "mistral_v3": (MistralParser(), _mistral_v3),
     "mistral_v11": (MistralParser(), _mistral_v11),
+    "glm45": (Glm45Parser(), _glm45),
 }
 FORMAT_IDS = list(FORMATS)
 WITH_CONTENT = [f for f in FORMAT_IDS if f != "llama3_json"]
@@ -142,6 +157,12 @@ MALFORMED: dict[str, list[str]] = {
         '{"name": "f", "parameters": {}},{"name": "g", "parameters": {}}',
         '<|python_tag|>brave_search.call(query="weather")',
     ],
+    "glm45": [
+        "<tool_call>two words\n</tool_call>",
+        "<tool_call>{{ tc.name }}\n</tool_call>",
+        "<tool_call>f\nstray text<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+    ],
     "mistral": [
         '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}',
         '[TOOL_CALLS][{"arguments": {"a": 1}}]',
@@ -175,6 +196,11 @@ PREFILL_CASES: list[tuple[ToolCallParser, str, str]] = [
     ),
     (Llama3JsonParser(), 'f", "parameters": {"a": 1}}', '{"a": 1}}'),
     (MistralParser(), 'f", "arguments": {"a": 1}}]', '{"a": 1}}]'),
+    (
+        Glm45Parser(),
+        "f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
+        "<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
+    ),
 ]
 PREFILL_IDS = [parser.name for parser, _, _ in PREFILL_CASES]
 
@@ -351,8 +377,8 @@ def test_the_template_picks_the_parser(expected: str, template: str) -> None:
         ),
         ("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}", None),
         ("", None),
-        # GLM-4.5's calls: `<tool_call>` then a name and key/value tags, no hermes JSON
-        (GLM45_CALLS, None),
+        # GLM-4.5's calls open with `<tool_call>` too, then a name and key/value tags
+        (GLM45_CALLS, "glm45"),
     ],
 )
 def test_a_llama_instruction_or_nothing_recognisable(template: str, expected: str | None) -> None:
@@ -459,3 +485,9 @@ def test_llama3_json_reads_back_what_it_writes(calls: list[Call], tag: bool) -> 
 @given(calls=_calls_of(_TEXT, _JSON), fmt=st.sampled_from(["mistral_v3", "mistral_v11"]))
 def test_mistral_reads_back_what_it_writes(calls: list[Call], fmt: str) -> None:
     _round_trips(fmt, calls)
+
+
+@settings(max_examples=50, deadline=None, database=None)
+@given(calls=_calls_of(_NAME, _QWEN3_VALUE))
+def test_glm45_reads_back_what_it_writes(calls: list[Call]) -> None:
+    _round_trips("glm45", calls)
