@@ -7,12 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from gateway.core.tool_parsers import (
     TOOL_PARSERS,
@@ -28,63 +24,11 @@ from gateway.core.tool_parsers import (
     detect_tool_parser,
 )
 from tests.support.paths import REPO_ROOT
+from tests.support.tool_formats import FORMATS, Call, hermes, llama3, qwen3
 
 ROOT = REPO_ROOT
-Call = tuple[str, dict[str, Any]]
 
 
-def _hermes(calls: list[Call]) -> str:
-    return "\n".join(
-        f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls
-    )
-
-
-def _qwen3_value(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-def _qwen3(calls: list[Call]) -> str:
-    return "\n".join(
-        f"<tool_call>\n<function={n}>\n"
-        + "".join(f"<parameter={k}>\n{_qwen3_value(v)}\n</parameter>\n" for k, v in a.items())
-        + "</function>\n</tool_call>"
-        for n, a in calls
-    )
-
-
-def _glm45(calls: list[Call]) -> str:
-    """As GLM-4.5's template writes calls: bare strings, JSON otherwise."""
-    return "\n".join(
-        f"<tool_call>{n}\n"
-        + "".join(
-            f"<arg_key>{k}</arg_key>\n<arg_value>{_qwen3_value(v)}</arg_value>\n"
-            for k, v in a.items()
-        )
-        + "</tool_call>"
-        for n, a in calls
-    )
-
-
-def _llama3(calls: list[Call]) -> str:
-    return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
-
-
-def _mistral_v3(calls: list[Call]) -> str:
-    return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
-
-
-def _mistral_v11(calls: list[Call]) -> str:
-    return "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in calls)
-
-
-FORMATS: dict[str, tuple[ToolCallParser, Callable[[list[Call]], str]]] = {
-    "hermes": (HermesParser(), _hermes),
-    "qwen3_coder": (Qwen3CoderParser(), _qwen3),
-    "llama3_json": (Llama3JsonParser(), _llama3),
-    "mistral_v3": (MistralParser(), _mistral_v3),
-    "mistral_v11": (MistralParser(), _mistral_v11),
-    "glm45": (Glm45Parser(), _glm45),
-}
 FORMAT_IDS = list(FORMATS)
 WITH_CONTENT = [f for f in FORMAT_IDS if f != "llama3_json"]
 
@@ -121,7 +65,7 @@ def test_text_before_a_call_is_the_content_stripped(fmt: str) -> None:
 
 
 def test_llama3_json_with_text_before_it_is_all_content() -> None:
-    text = "Let me check. " + _llama3([WEATHER])
+    text = "Let me check. " + llama3([WEATHER])
     assert Llama3JsonParser().parse(text) == (text, [])
 
 
@@ -235,12 +179,12 @@ HERMES_CASES: list[tuple[str, str | None, list[tuple[str, str]]]] = [
     ("", "", []),
     ("plain text", "plain text", []),
     (
-        _hermes([WEATHER]),
+        hermes([WEATHER]),
         None,
         [("get_weather", '{"city": "Paris", "days": 3, "units": null}')],
     ),
     (
-        "Thinking...\n" + _hermes([WEATHER, SEARCH]) + "\ntrailing words",
+        "Thinking...\n" + hermes([WEATHER, SEARCH]) + "\ntrailing words",
         "Thinking...",
         [
             ("get_weather", '{"city": "Paris", "days": 3, "units": null}'),
@@ -293,7 +237,7 @@ def test_qwen3_coder_values_are_json_when_they_parse_else_text() -> None:
         "padded": "  padded ",
         "lines": "line 1\nline 2\n",
     }
-    text = _qwen3([("f", params)])
+    text = qwen3([("f", params)])
     (call,) = Qwen3CoderParser().parse(text)[1]
     assert list(json.loads(call.arguments).items()) == [
         ("n", 42),
@@ -418,76 +362,3 @@ def test_the_module_imports_no_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == "[]"
-
-
-# Strings without `<` or `[`: a value holding the format's own closing tag is a known limit of
-# every text format here, not what these properties are about.
-_TEXT = st.text(st.characters(exclude_characters="<[", exclude_categories=["Cs"]), max_size=12)
-_NAME = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.-]{0,15}", fullmatch=True)
-_JSON = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | _TEXT,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
-    max_leaves=8,
-)
-
-
-def _reads_as_json(s: str) -> bool:
-    try:
-        json.loads(s.strip())
-    except ValueError:
-        return False
-    return True
-
-
-# Qwen3-Coder writes strings bare, so a string that reads as JSON ("42") is not one it can carry.
-_QWEN3_VALUE = _JSON.filter(lambda v: not (isinstance(v, str) and _reads_as_json(v)))
-
-
-def _calls_of(
-    keys: st.SearchStrategy[str], values: st.SearchStrategy[Any]
-) -> st.SearchStrategy[list[Call]]:
-    args = st.dictionaries(keys, values, max_size=4)
-    return st.lists(st.tuples(_NAME, args), min_size=1, max_size=3)
-
-
-def _round_trips(fmt: str, calls: list[Call]) -> None:
-    parser, write = FORMATS[fmt]
-    parsed = parser.parse(write(calls))
-    assert parsed[0] is None
-    assert _calls(parsed) == calls
-
-
-@settings(max_examples=50, deadline=None, database=None)
-@given(calls=_calls_of(_TEXT, _JSON))
-def test_hermes_reads_back_what_it_writes(calls: list[Call]) -> None:
-    _round_trips("hermes", calls)
-
-
-@settings(max_examples=50, deadline=None, database=None)
-@given(calls=_calls_of(_NAME, _QWEN3_VALUE))
-def test_qwen3_coder_reads_back_what_it_writes(calls: list[Call]) -> None:
-    _round_trips("qwen3_coder", calls)
-
-
-@settings(max_examples=50, deadline=None, database=None)
-@given(calls=_calls_of(_TEXT, _JSON), tag=st.booleans())
-def test_llama3_json_reads_back_what_it_writes(calls: list[Call], tag: bool) -> None:
-    parsed = Llama3JsonParser().parse(("<|python_tag|>" if tag else "") + _llama3(calls))
-    assert parsed[0] is None
-    assert _calls(parsed) == calls
-
-
-@settings(max_examples=50, deadline=None, database=None)
-@given(calls=_calls_of(_TEXT, _JSON), fmt=st.sampled_from(["mistral_v3", "mistral_v11"]))
-def test_mistral_reads_back_what_it_writes(calls: list[Call], fmt: str) -> None:
-    _round_trips(fmt, calls)
-
-
-@settings(max_examples=50, deadline=None, database=None)
-@given(calls=_calls_of(_NAME, _QWEN3_VALUE))
-def test_glm45_reads_back_what_it_writes(calls: list[Call]) -> None:
-    _round_trips("glm45", calls)

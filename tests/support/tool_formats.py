@@ -1,0 +1,78 @@
+"""The tool-call formats as each family's template writes them, for the parser tests: one writer
+per format (calls in, the reply's text out) and the parser that reads it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from gateway.core.tool_parsers import (
+    Glm45Parser,
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    Parsed,
+    Qwen3CoderParser,
+    ToolCallParser,
+)
+
+Call = tuple[str, dict[str, Any]]
+
+
+def calls_of(parsed: Parsed) -> list[Call]:
+    return [(c.name, json.loads(c.arguments)) for c in parsed[1]]
+
+
+def hermes(calls: list[Call]) -> str:
+    return "\n".join(
+        f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls
+    )
+
+
+def qwen3_value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def qwen3(calls: list[Call]) -> str:
+    return "\n".join(
+        f"<tool_call>\n<function={n}>\n"
+        + "".join(f"<parameter={k}>\n{qwen3_value(v)}\n</parameter>\n" for k, v in a.items())
+        + "</function>\n</tool_call>"
+        for n, a in calls
+    )
+
+
+def glm45(calls: list[Call]) -> str:
+    """As GLM-4.5's template writes calls: bare strings, JSON otherwise."""
+    return "\n".join(
+        f"<tool_call>{n}\n"
+        + "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{qwen3_value(v)}</arg_value>\n"
+            for k, v in a.items()
+        )
+        + "</tool_call>"
+        for n, a in calls
+    )
+
+
+def llama3(calls: list[Call]) -> str:
+    return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+
+
+def mistral_v3(calls: list[Call]) -> str:
+    return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+
+
+def mistral_v11(calls: list[Call]) -> str:
+    return "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in calls)
+
+
+FORMATS: dict[str, tuple[ToolCallParser, Callable[[list[Call]], str]]] = {
+    "hermes": (HermesParser(), hermes),
+    "qwen3_coder": (Qwen3CoderParser(), qwen3),
+    "llama3_json": (Llama3JsonParser(), llama3),
+    "mistral_v3": (MistralParser(), mistral_v3),
+    "mistral_v11": (MistralParser(), mistral_v11),
+    "glm45": (Glm45Parser(), glm45),
+}
