@@ -11,6 +11,7 @@ from gateway.core.tool_parsers import (
     Glm45Parser,
     HermesParser,
     Llama3JsonParser,
+    MinimaxM2Parser,
     MistralParser,
     Parsed,
     Qwen3CoderParser,
@@ -68,6 +69,20 @@ def mistral_v11(calls: list[Call]) -> str:
     return "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in calls)
 
 
+def minimax_m2(calls: list[Call]) -> str:
+    """As MiniMax-M2's template writes calls: one block, bare strings, JSON otherwise."""
+    return (
+        "<minimax:tool_call>\n"
+        + "".join(
+            f'<invoke name="{n}">\n'
+            + "".join(f'<parameter name="{k}">{qwen3_value(v)}</parameter>\n' for k, v in a.items())
+            + "</invoke>\n"
+            for n, a in calls
+        )
+        + "</minimax:tool_call>"
+    )
+
+
 FORMATS: dict[str, tuple[ToolCallParser, Callable[[list[Call]], str]]] = {
     "hermes": (HermesParser(), hermes),
     "qwen3_coder": (Qwen3CoderParser(), qwen3),
@@ -75,4 +90,5 @@ FORMATS: dict[str, tuple[ToolCallParser, Callable[[list[Call]], str]]] = {
     "mistral_v3": (MistralParser(), mistral_v3),
     "mistral_v11": (MistralParser(), mistral_v11),
     "glm45": (Glm45Parser(), glm45),
+    "minimax_m2": (MinimaxM2Parser(), minimax_m2),
 }

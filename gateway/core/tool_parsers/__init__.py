@@ -13,6 +13,8 @@ Each model family writes tool calls in its own markup; a parser turns a finished
   `[TOOL_CALLS]NAME[ARGS]{...}` repeated (v11 and later).
 - `glm45` (GLM-4.5, GLM-4.6): `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n`
   ... `</tool_call>`; string values bare, others JSON, read back by the declared type.
+- `minimax_m2`: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="K">V</parameter>\n`
+  ... `</invoke>\n</minimax:tool_call>`, one block for every call; values as GLM's.
 
 Markers: every call starts with one of the parser's `markers`, and text with none is content. That
 is what lets a stream show text as it comes without ever showing markup: the streamer cuts visible
@@ -38,6 +40,7 @@ from gateway.core.tool_parsers.base import (
 from gateway.core.tool_parsers.glm45 import Glm45Parser
 from gateway.core.tool_parsers.hermes import HermesParser
 from gateway.core.tool_parsers.llama3_json import Llama3JsonParser
+from gateway.core.tool_parsers.minimax_m2 import MinimaxM2Parser
 from gateway.core.tool_parsers.mistral import MistralParser
 from gateway.core.tool_parsers.qwen3_coder import Qwen3CoderParser
 
@@ -46,6 +49,7 @@ __all__ = [
     "Glm45Parser",
     "HermesParser",
     "Llama3JsonParser",
+    "MinimaxM2Parser",
     "MistralParser",
     "NoToolParser",
     "Parsed",
@@ -62,6 +66,7 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "llama3_json": Llama3JsonParser,
     "mistral": MistralParser,
     "glm45": Glm45Parser,
+    "minimax_m2": MinimaxM2Parser,
 }
 
 # Llama 3.1/3.2's instruction: `{"name": function name, "parameters": dictionary of ...}`.
@@ -69,10 +74,13 @@ _LLAMA3_INSTRUCTION_RE = re.compile(r'\{"name":[^{}]*"parameters"')
 
 
 def detect_tool_parser(chat_template: str) -> str | None:
-    """The parser a chat template's own tool-call format calls for: qwen3_coder when it writes
-    `<function=`, glm45 for `<arg_key>`, hermes for `<tool_call>`, mistral for `[TOOL_CALLS]`,
-    llama3_json for `<|python_tag|>` or a Llama-3 style `"parameters"` JSON instruction; None when
-    nothing matches (never a guess: a format read by the wrong parser is silently plain text)."""
+    """The parser a chat template's own tool-call format calls for: minimax_m2 when it writes
+    `<minimax:tool_call>`, qwen3_coder for `<function=`, glm45 for `<arg_key>`, hermes for
+    `<tool_call>`, mistral for `[TOOL_CALLS]`, llama3_json for `<|python_tag|>` or a Llama-3 style
+    `"parameters"` JSON instruction; None when nothing matches (never a guess: a format read by the
+    wrong parser is silently plain text)."""
+    if "<minimax:tool_call>" in chat_template:
+        return "minimax_m2"
     if "<function=" in chat_template:
         return "qwen3_coder"
     if "<arg_key>" in chat_template:

@@ -83,3 +83,9 @@ def test_mistral_reads_back_what_it_writes(calls: list[Call], fmt: str) -> None:
 @given(calls=_calls_of(_NAME, _QWEN3_VALUE))
 def test_glm45_reads_back_what_it_writes(calls: list[Call]) -> None:
     _round_trips("glm45", calls)
+
+
+@settings(max_examples=50, deadline=None, database=None)
+@given(calls=_calls_of(_NAME, _QWEN3_VALUE))
+def test_minimax_m2_reads_back_what_it_writes(calls: list[Call]) -> None:
+    _round_trips("minimax_m2", calls)

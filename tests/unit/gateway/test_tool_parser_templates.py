@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from gateway.core.tool_parsers import (
+    TOOL_PARSERS,
     Glm45Parser,
     Parsed,
     Qwen3CoderParser,
@@ -47,13 +50,22 @@ REAL_TEMPLATES = REPO_ROOT / "tests" / "support" / "templates"
 """Model families' chat templates as their model cards publish them."""
 
 
-def test_glm45s_real_template_is_detected_and_its_calls_read_back() -> None:
-    """GLM-4.5's own template (zai-org/GLM-4.5, as GLM-4.6 ships it) renders an assistant turn
-    with calls; reading that turn back gives the content and the calls, values typed."""
+FAMILIES = {
+    # family: (the assistant turn's header, the end of turn the engine stops on and drops)
+    "glm45": ("<|assistant|>", ""),
+    "minimax_m2": ("]~b]ai\n", "[e~[\n"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_familys_own_template_is_detected_and_its_calls_read_back(family: str) -> None:
+    """The family's own template (tests/support/templates/, from its model card: GLM-4.5's as
+    GLM-4.6 ships it, MiniMax-M2's) renders an assistant turn with calls; detection picks the
+    family's parser, and reading the turn back gives the content and the calls, values typed."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    template = (REAL_TEMPLATES / "glm45.jinja").read_text()
-    assert detect_tool_parser(template) == "glm45"
+    template = (REAL_TEMPLATES / f"{family}.jinja").read_text()
+    assert detect_tool_parser(template) == family
     tools: list[Any] = [
         {
             "type": "function",
@@ -75,7 +87,6 @@ def test_glm45s_real_template_is_detected_and_its_calls_read_back() -> None:
         ("get_weather", {"city": "Paris", "days": 2, "code": "75", "filters": {"n": [1, 2]}}),
         ("get_weather", {"city": "Tōkyō\nJapan"}),
     ]
-    user = [{"role": "user", "content": "Weather?"}]
     assistant = {
         "role": "assistant",
         "content": "Let me check.",
@@ -83,21 +94,14 @@ def test_glm45s_real_template_is_detected_and_its_calls_read_back() -> None:
             {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls
         ],
     }
-
-    def render(messages: list[Any], add: bool) -> str:
-        [text], _ = render_jinja_template(
-            conversations=[messages],
-            chat_template=template,
-            tools=tools,
-            add_generation_prompt=add,
-        )
-        return str(text)
-
-    prompt = render(user, True)
-    whole = render([*user, assistant], False)
-    assert whole.startswith(prompt)
-    reply = whole[len(prompt) :]
-    answer = reply.split("</think>", 1)[1]  # the template writes an empty think block
-    content, parsed = Glm45Parser().parse(answer, tools)
+    [whole], _ = render_jinja_template(
+        conversations=[[{"role": "user", "content": "Weather?"}, assistant]],
+        chat_template=template,
+        tools=tools,
+    )
+    header, turn_end = FAMILIES[family]
+    reply = str(whole).rsplit(header, 1)[1].removesuffix(turn_end)
+    answer = reply.split("</think>", 1)[-1]  # the reasoning parser's part
+    content, parsed = TOOL_PARSERS[family]().parse(answer, tools)
     assert content == "Let me check."
-    assert [(c.name, json.loads(c.arguments)) for c in parsed] == calls
+    assert calls_of((content, parsed)) == calls

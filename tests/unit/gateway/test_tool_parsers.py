@@ -15,6 +15,7 @@ from gateway.core.tool_parsers import (
     Glm45Parser,
     HermesParser,
     Llama3JsonParser,
+    MinimaxM2Parser,
     MistralParser,
     NoToolParser,
     ParsedToolCall,
@@ -101,6 +102,13 @@ MALFORMED: dict[str, list[str]] = {
         '{"name": "f", "parameters": {}},{"name": "g", "parameters": {}}',
         '<|python_tag|>brave_search.call(query="weather")',
     ],
+    "minimax_m2": [
+        '<minimax:tool_call>\n<invoke name="two words">\n</invoke>\n</minimax:tool_call>',
+        "<minimax:tool_call>\nstray text\n</minimax:tool_call>",
+        '<minimax:tool_call>\n<invoke name="f">\nstray<parameter name="a">1</parameter>\n'
+        "</invoke>\n</minimax:tool_call>",
+        "Sure.<minimax:tool_call>\n</minimax:tool_call>",
+    ],
     "glm45": [
         "<tool_call>two words\n</tool_call>",
         "<tool_call>{{ tc.name }}\n</tool_call>",
@@ -140,6 +148,11 @@ PREFILL_CASES: list[tuple[ToolCallParser, str, str]] = [
     ),
     (Llama3JsonParser(), 'f", "parameters": {"a": 1}}', '{"a": 1}}'),
     (MistralParser(), 'f", "arguments": {"a": 1}}]', '{"a": 1}}]'),
+    (
+        MinimaxM2Parser(),
+        'f">\n<parameter name="a">1</parameter>\n</invoke>\n</minimax:tool_call>',
+        '<parameter name="a">1</parameter>\n</invoke>\n</minimax:tool_call>',
+    ),
     (
         Glm45Parser(),
         "f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
