@@ -68,8 +68,9 @@ class ChatRenderer:
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The template's text. A template that refuses the messages (Mistral's and Gemma's raise
-        on a system message after the first, for one) is the client's 400 with the template's
-        own words, not a 500 that SDKs retry."""
+        on a system message after the first, for one) or fails on them (DeepSeek-V3.1's adds a
+        call's arguments to a string, so arguments as an object are a TypeError) is the client's
+        400 with the template's own words, not a 500 that SDKs retry."""
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -81,6 +82,11 @@ class ChatRenderer:
         except TemplateError as exc:
             raise BadRequest(
                 f"the model's chat template refused these messages: {exc}", param="messages"
+            ) from exc
+        except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+            raise BadRequest(
+                f"the model's chat template failed on these messages ({type(exc).__name__}: {exc})",
+                param="messages",
             ) from exc
         assert isinstance(text, str)
         return text

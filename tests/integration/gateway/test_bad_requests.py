@@ -284,6 +284,37 @@ async def test_a_template_that_refuses_the_messages_is_a_400_in_its_words(
         await g.still_serves()
 
 
+FAILING_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{%- for c in m.tool_calls or [] %}{{ '<call>' + c['function']['arguments'] }}{%- endfor %}"
+    "<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+"""DeepSeek-V3.1's way: a call's arguments added to a string, so arguments as an object (what
+the gateway renders) fail with a TypeError inside the template."""
+
+
+async def test_a_template_that_fails_on_the_messages_is_a_400_naming_the_error(
+    engine: LocalEngine,  # noqa: F811
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "chat_template.jinja").write_text(FAILING_TEMPLATE)
+    async with edge_app(engine, model, tmp_path) as g:
+        call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+        history = [
+            *USER,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        ]
+        r = await g.post("chat/completions", {"messages": history})
+        refused(r, 400, "messages", "TypeError")
+        assert await g.recorded() == []
+        await g.still_serves()
+
+
 BAD_SCHEMA = {"type": "strin"}
 
 
