@@ -9,11 +9,13 @@ from typing import Any
 
 from gateway.core.tool_parsers import (
     Glm45Parser,
+    GraniteParser,
     HermesParser,
     Llama3JsonParser,
     MinimaxM2Parser,
     MistralParser,
     Parsed,
+    Phi4MiniJsonParser,
     Qwen3CoderParser,
     ToolCallParser,
 )
@@ -69,6 +71,14 @@ def mistral_v11(calls: list[Call]) -> str:
     return "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in calls)
 
 
+def granite(calls: list[Call]) -> str:
+    return "<|tool_call|>" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+
+
+def phi4_mini(calls: list[Call]) -> str:
+    return "functools" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+
+
 def minimax_m2(calls: list[Call]) -> str:
     """As MiniMax-M2's template writes calls: one block, bare strings, JSON otherwise."""
     return (
@@ -91,4 +101,6 @@ FORMATS: dict[str, tuple[ToolCallParser, Callable[[list[Call]], str]]] = {
     "mistral_v11": (MistralParser(), mistral_v11),
     "glm45": (Glm45Parser(), glm45),
     "minimax_m2": (MinimaxM2Parser(), minimax_m2),
+    "granite": (GraniteParser(), granite),
+    "phi4_mini_json": (Phi4MiniJsonParser(), phi4_mini),
 }

@@ -13,6 +13,8 @@ Each model family writes tool calls in its own markup; a parser turns a finished
   `[TOOL_CALLS]NAME[ARGS]{...}` repeated (v11 and later).
 - `glm45` (GLM-4.5, GLM-4.6): `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n`
   ... `</tool_call>`; string values bare, others JSON, read back by the declared type.
+- `granite` (Granite 3.x): `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, nothing after.
+- `phi4_mini_json` (Phi-4-mini): `functools[{"name": ..., "arguments": {...}}, ...]` after any text.
 - `minimax_m2`: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="K">V</parameter>\n`
   ... `</invoke>\n</minimax:tool_call>`, one block for every call; values as GLM's.
 
@@ -39,6 +41,7 @@ from gateway.core.tool_parsers.base import (
 )
 from gateway.core.tool_parsers.glm45 import Glm45Parser
 from gateway.core.tool_parsers.hermes import HermesParser
+from gateway.core.tool_parsers.json_list import GraniteParser, Phi4MiniJsonParser
 from gateway.core.tool_parsers.llama3_json import Llama3JsonParser
 from gateway.core.tool_parsers.minimax_m2 import MinimaxM2Parser
 from gateway.core.tool_parsers.mistral import MistralParser
@@ -47,6 +50,7 @@ from gateway.core.tool_parsers.qwen3_coder import Qwen3CoderParser
 __all__ = [
     "TOOL_PARSERS",
     "Glm45Parser",
+    "GraniteParser",
     "HermesParser",
     "Llama3JsonParser",
     "MinimaxM2Parser",
@@ -54,6 +58,7 @@ __all__ = [
     "NoToolParser",
     "Parsed",
     "ParsedToolCall",
+    "Phi4MiniJsonParser",
     "Qwen3CoderParser",
     "ToolCallParser",
     "build_tool_parser",
@@ -67,6 +72,8 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "mistral": MistralParser,
     "glm45": Glm45Parser,
     "minimax_m2": MinimaxM2Parser,
+    "granite": GraniteParser,
+    "phi4_mini_json": Phi4MiniJsonParser,
 }
 
 # Llama 3.1/3.2's instruction: `{"name": function name, "parameters": dictionary of ...}`.
@@ -75,12 +82,17 @@ _LLAMA3_INSTRUCTION_RE = re.compile(r'\{"name":[^{}]*"parameters"')
 
 def detect_tool_parser(chat_template: str) -> str | None:
     """The parser a chat template's own tool-call format calls for: minimax_m2 when it writes
-    `<minimax:tool_call>`, qwen3_coder for `<function=`, glm45 for `<arg_key>`, hermes for
+    `<minimax:tool_call>`, granite for its `available_tools` role, phi4_mini_json for `functools[`,
+    qwen3_coder for `<function=`, glm45 for `<arg_key>`, hermes for
     `<tool_call>`, mistral for `[TOOL_CALLS]`, llama3_json for `<|python_tag|>` or a Llama-3 style
     `"parameters"` JSON instruction; None when nothing matches (never a guess: a format read by the
     wrong parser is silently plain text)."""
     if "<minimax:tool_call>" in chat_template:
         return "minimax_m2"
+    if "<|start_of_role|>available_tools" in chat_template:
+        return "granite"
+    if "functools[" in chat_template:
+        return "phi4_mini_json"
     if "<function=" in chat_template:
         return "qwen3_coder"
     if "<arg_key>" in chat_template:

@@ -89,3 +89,9 @@ def test_glm45_reads_back_what_it_writes(calls: list[Call]) -> None:
 @given(calls=_calls_of(_NAME, _QWEN3_VALUE))
 def test_minimax_m2_reads_back_what_it_writes(calls: list[Call]) -> None:
     _round_trips("minimax_m2", calls)
+
+
+@settings(max_examples=50, deadline=None, database=None)
+@given(calls=_calls_of(_TEXT, _JSON), fmt=st.sampled_from(["granite", "phi4_mini_json"]))
+def test_the_json_list_formats_read_back_what_they_write(calls: list[Call], fmt: str) -> None:
+    _round_trips(fmt, calls)

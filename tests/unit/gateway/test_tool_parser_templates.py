@@ -47,7 +47,8 @@ def test_bare_values_are_read_by_their_declared_type() -> None:
 
 
 REAL_TEMPLATES = REPO_ROOT / "tests" / "support" / "templates"
-"""Model families' chat templates as their model cards publish them."""
+"""Model families' chat templates as their model cards publish them (Llama-4's and Phi-4-mini's
+as vLLM's examples give them for their tool formats)."""
 
 
 FAMILIES = {
@@ -105,3 +106,39 @@ def test_a_familys_own_template_is_detected_and_its_calls_read_back(family: str)
     content, parsed = TOOL_PARSERS[family]().parse(answer, tools)
     assert content == "Let me check."
     assert calls_of((content, parsed)) == calls
+
+
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    [
+        ("glm45", "glm45"),
+        ("minimax_m2", "minimax_m2"),
+        ("granite", "granite"),
+        ("phi4_mini_json", "phi4_mini_json"),
+        # families with no parser yet: refused by name, never read by a guess
+        ("deepseek_v31", None),
+        ("kimi_k2", None),
+        ("llama4_pythonic", None),
+    ],
+)
+def test_each_familys_own_template_picks_its_parser_or_none(
+    family: str, expected: str | None
+) -> None:
+    template = (REAL_TEMPLATES / f"{family}.jinja").read_text()
+    assert detect_tool_parser(template) == expected
+
+
+def test_granite_and_phi4_mini_read_what_their_models_write() -> None:
+    """The replies their model cards show (Granite's HF template renders no calls back into the
+    history, and Phi-4-mini's renders them as Python reprs, so these are read from the models'
+    documented output)."""
+    weather = {"city": "San Francisco", "unit": "celsius"}
+    items = '[{"name": "get_weather", "arguments": {"city": "San Francisco", "unit": "celsius"}}, '
+    items += '{"name": "get_time", "arguments": {"timezone": "America/Los_Angeles"}}]'
+    expected = [("get_weather", weather), ("get_time", {"timezone": "America/Los_Angeles"})]
+    granite = TOOL_PARSERS["granite"]().parse("<|tool_call|>" + items)
+    assert granite[0] is None
+    assert calls_of(granite) == expected
+    phi = TOOL_PARSERS["phi4_mini_json"]().parse("I'll check both for you.\nfunctools" + items)
+    assert phi[0] == "I'll check both for you."
+    assert calls_of(phi) == expected

@@ -13,12 +13,14 @@ import pytest
 from gateway.core.tool_parsers import (
     TOOL_PARSERS,
     Glm45Parser,
+    GraniteParser,
     HermesParser,
     Llama3JsonParser,
     MinimaxM2Parser,
     MistralParser,
     NoToolParser,
     ParsedToolCall,
+    Phi4MiniJsonParser,
     Qwen3CoderParser,
     ToolCallParser,
     build_tool_parser,
@@ -102,6 +104,16 @@ MALFORMED: dict[str, list[str]] = {
         '{"name": "f", "parameters": {}},{"name": "g", "parameters": {}}',
         '<|python_tag|>brave_search.call(query="weather")',
     ],
+    "granite": [
+        '<|tool_call|>[{"name": "f", "arguments": {}}] and then words',
+        '<|tool_call|>{"name": "f", "arguments": {}}',
+        "<|tool_call|>[]",
+    ],
+    "phi4_mini_json": [
+        'functools[{"name": "f", "arguments": {"a": [1, 2]}}',
+        'functools[{"name": "f", "arguments": {}}] trailing',
+        'functools[{"arguments": {}}]',
+    ],
     "minimax_m2": [
         '<minimax:tool_call>\n<invoke name="two words">\n</invoke>\n</minimax:tool_call>',
         "<minimax:tool_call>\nstray text\n</minimax:tool_call>",
@@ -148,6 +160,8 @@ PREFILL_CASES: list[tuple[ToolCallParser, str, str]] = [
     ),
     (Llama3JsonParser(), 'f", "parameters": {"a": 1}}', '{"a": 1}}'),
     (MistralParser(), 'f", "arguments": {"a": 1}}]', '{"a": 1}}]'),
+    (GraniteParser(), 'f", "arguments": {"a": 1}}]', '{"a": 1}}]'),
+    (Phi4MiniJsonParser(), 'f", "arguments": {"a": 1}}]', '{"a": 1}}]'),
     (
         MinimaxM2Parser(),
         'f">\n<parameter name="a">1</parameter>\n</invoke>\n</minimax:tool_call>',
