@@ -79,6 +79,15 @@ def phi4_mini(calls: list[Call]) -> str:
     return "functools" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
 
 
+def pythonic(calls: list[Call]) -> str:
+    """Python literals: repr writes them (None, True, nested lists and dicts)."""
+    return (
+        "["
+        + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")" for n, a in calls)
+        + "]"
+    )
+
+
 def minimax_m2(calls: list[Call]) -> str:
     """As MiniMax-M2's template writes calls: one block, bare strings, JSON otherwise."""
     return (
@@ -104,3 +113,4 @@ FORMATS: dict[str, tuple[ToolCallParser, Callable[[list[Call]], str]]] = {
     "granite": (GraniteParser(), granite),
     "phi4_mini_json": (Phi4MiniJsonParser(), phi4_mini),
 }
+"""Formats whose names and keys are free text; `pythonic` (Llama 4) takes Python identifiers."""

@@ -15,6 +15,7 @@ Each model family writes tool calls in its own markup; a parser turns a finished
   ... `</tool_call>`; string values bare, others JSON, read back by the declared type.
 - `granite` (Granite 3.x): `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, nothing after.
 - `phi4_mini_json` (Phi-4-mini): `functools[{"name": ..., "arguments": {...}}, ...]` after any text.
+- `llama4_pythonic` (Llama 4): the whole reply is `[name(key=literal, ...), ...]`, Python literals.
 - `minimax_m2`: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="K">V</parameter>\n`
   ... `</invoke>\n</minimax:tool_call>`, one block for every call; values as GLM's.
 
@@ -43,6 +44,7 @@ from gateway.core.tool_parsers.glm45 import Glm45Parser
 from gateway.core.tool_parsers.hermes import HermesParser
 from gateway.core.tool_parsers.json_list import GraniteParser, Phi4MiniJsonParser
 from gateway.core.tool_parsers.llama3_json import Llama3JsonParser
+from gateway.core.tool_parsers.llama4_pythonic import Llama4PythonicParser
 from gateway.core.tool_parsers.minimax_m2 import MinimaxM2Parser
 from gateway.core.tool_parsers.mistral import MistralParser
 from gateway.core.tool_parsers.qwen3_coder import Qwen3CoderParser
@@ -53,6 +55,7 @@ __all__ = [
     "GraniteParser",
     "HermesParser",
     "Llama3JsonParser",
+    "Llama4PythonicParser",
     "MinimaxM2Parser",
     "MistralParser",
     "NoToolParser",
@@ -74,6 +77,7 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "minimax_m2": MinimaxM2Parser,
     "granite": GraniteParser,
     "phi4_mini_json": Phi4MiniJsonParser,
+    "llama4_pythonic": Llama4PythonicParser,
 }
 
 # Llama 3.1/3.2's instruction: `{"name": function name, "parameters": dictionary of ...}`.
@@ -83,6 +87,7 @@ _LLAMA3_INSTRUCTION_RE = re.compile(r'\{"name":[^{}]*"parameters"')
 def detect_tool_parser(chat_template: str) -> str | None:
     """The parser a chat template's own tool-call format calls for: minimax_m2 when it writes
     `<minimax:tool_call>`, granite for its `available_tools` role, phi4_mini_json for `functools[`,
+    llama4_pythonic for its `[func_name1(` instruction,
     qwen3_coder for `<function=`, glm45 for `<arg_key>`, hermes for
     `<tool_call>`, mistral for `[TOOL_CALLS]`, llama3_json for `<|python_tag|>` or a Llama-3 style
     `"parameters"` JSON instruction; None when nothing matches (never a guess: a format read by the
@@ -93,6 +98,8 @@ def detect_tool_parser(chat_template: str) -> str | None:
         return "granite"
     if "functools[" in chat_template:
         return "phi4_mini_json"
+    if "[func_name1(" in chat_template:
+        return "llama4_pythonic"
     if "<function=" in chat_template:
         return "qwen3_coder"
     if "<arg_key>" in chat_template:

@@ -4,13 +4,14 @@ nested JSON values, several calls)."""
 from __future__ import annotations
 
 import json
+import keyword
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.core.tool_parsers import Llama3JsonParser
-from tests.support.tool_formats import FORMATS, Call, calls_of, llama3
+from gateway.core.tool_parsers import Llama3JsonParser, Llama4PythonicParser
+from tests.support.tool_formats import FORMATS, Call, calls_of, llama3, pythonic
 
 # Strings without `<` or `[`: a value holding the format's own closing tag is a known limit of
 # every text format here, not what these properties are about.
@@ -95,3 +96,26 @@ def test_minimax_m2_reads_back_what_it_writes(calls: list[Call]) -> None:
 @given(calls=_calls_of(_TEXT, _JSON), fmt=st.sampled_from(["granite", "phi4_mini_json"]))
 def test_the_json_list_formats_read_back_what_they_write(calls: list[Call], fmt: str) -> None:
     _round_trips(fmt, calls)
+
+
+_IDENTIFIER = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,15}", fullmatch=True).filter(
+    lambda s: not keyword.iskeyword(s)
+)
+
+
+@settings(max_examples=50, deadline=None, database=None)
+@given(
+    calls=st.lists(
+        st.tuples(_IDENTIFIER, st.dictionaries(_IDENTIFIER, _JSON, max_size=4)),
+        min_size=1,
+        max_size=3,
+    ),
+    wrapped=st.booleans(),
+)
+def test_llama4_pythonic_reads_back_what_it_writes(calls: list[Call], wrapped: bool) -> None:
+    text = pythonic(calls)
+    if wrapped:
+        text = f"<|python_start|>{text}<|python_end|>"
+    parsed = Llama4PythonicParser().parse(text)
+    assert parsed[0] is None
+    assert calls_of(parsed) == calls

@@ -118,7 +118,7 @@ def test_a_familys_own_template_is_detected_and_its_calls_read_back(family: str)
         # families with no parser yet: refused by name, never read by a guess
         ("deepseek_v31", None),
         ("kimi_k2", None),
-        ("llama4_pythonic", None),
+        ("llama4_pythonic", "llama4_pythonic"),
     ],
 )
 def test_each_familys_own_template_picks_its_parser_or_none(
@@ -142,3 +142,31 @@ def test_granite_and_phi4_mini_read_what_their_models_write() -> None:
     phi = TOOL_PARSERS["phi4_mini_json"]().parse("I'll check both for you.\nfunctools" + items)
     assert phi[0] == "I'll check both for you."
     assert calls_of(phi) == expected
+
+
+def test_llama4s_template_renders_calls_the_parser_reads_back() -> None:
+    """Llama 4's pythonic template writes a call back into the history as the model writes it,
+    every value in double quotes (its `"%s" | format` makes `2` the string `"2"`)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = (REAL_TEMPLATES / "llama4_pythonic.jinja").read_text()
+    calls = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "UTC"})]
+    assistant = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls
+        ],
+    }
+    [whole], _ = render_jinja_template(
+        conversations=[[{"role": "user", "content": "Weather?"}, assistant]],
+        chat_template=template,
+        bos_token="<|begin_of_text|>",
+    )
+    reply = str(whole).rsplit("<|header_start|>assistant<|header_end|>\n\n", 1)[1]
+    parsed = TOOL_PARSERS["llama4_pythonic"]().parse(reply.removesuffix("<|eot|>"))
+    assert parsed[0] is None
+    assert calls_of(parsed) == [
+        ("get_weather", {"city": "Paris", "days": "2"}),
+        ("get_time", {"tz": "UTC"}),
+    ]

@@ -16,6 +16,7 @@ from gateway.core.tool_parsers import (
     GraniteParser,
     HermesParser,
     Llama3JsonParser,
+    Llama4PythonicParser,
     MinimaxM2Parser,
     MistralParser,
     NoToolParser,
@@ -104,6 +105,16 @@ MALFORMED: dict[str, list[str]] = {
         '{"name": "f", "parameters": {}},{"name": "g", "parameters": {}}',
         '<|python_tag|>brave_search.call(query="weather")',
     ],
+    "llama4_pythonic": [
+        "[get_weather('Paris')]",
+        "[get_weather(city=Paris)]",
+        "[web.search(q='x')]",
+        "[f(a=1)] and then words",
+        "Sure. [f(a=1)]",
+        "[f(a=true)]",
+        "[]",
+        "[f(a={1, 2})]",
+    ],
     "granite": [
         '<|tool_call|>[{"name": "f", "arguments": {}}] and then words',
         '<|tool_call|>{"name": "f", "arguments": {}}',
@@ -161,6 +172,7 @@ PREFILL_CASES: list[tuple[ToolCallParser, str, str]] = [
     (Llama3JsonParser(), 'f", "parameters": {"a": 1}}', '{"a": 1}}'),
     (MistralParser(), 'f", "arguments": {"a": 1}}]', '{"a": 1}}]'),
     (GraniteParser(), 'f", "arguments": {"a": 1}}]', '{"a": 1}}]'),
+    (Llama4PythonicParser(), "f(a=1)]", "a=1)]"),
     (Phi4MiniJsonParser(), 'f", "arguments": {"a": 1}}]', '{"a": 1}}]'),
     (
         MinimaxM2Parser(),
