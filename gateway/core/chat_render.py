@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,10 @@ class ChatRenderer:
             raise ValueError("the model's tokenizer has no chat template: chat needs one")
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.arguments_as_text = False
+        """The template takes a call's arguments as JSON text (DeepSeek-V3.1's adds them to a
+        string), not as the object most templates serialise: learned from the first render that
+        fails with objects and succeeds with text."""
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
         rendered = self.render(probe, None, add_generation_prompt=False)
         self.assistant_tail = rendered[rendered.index(_SENTINEL) + len(_SENTINEL) :]
@@ -71,14 +76,27 @@ class ChatRenderer:
         on a system message after the first, for one) or fails on them (DeepSeek-V3.1's adds a
         call's arguments to a string, so arguments as an object are a TypeError) is the client's
         400 with the template's own words, not a 500 that SDKs retry."""
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
+
+        def apply(msgs: list[Message]) -> Any:
+            return self.tokenizer.apply_chat_template(
+                msgs,
                 tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 **(template_kwargs or {}),
             )
+
+        try:
+            if self.arguments_as_text:
+                text = apply(_arguments_as_text(messages))
+            else:
+                try:
+                    text = apply(messages)
+                except TypeError:
+                    if messages == (as_text := _arguments_as_text(messages)):
+                        raise
+                    text = apply(as_text)
+                    self.arguments_as_text = True
         except TemplateError as exc:
             raise BadRequest(
                 f"the model's chat template refused these messages: {exc}", param="messages"
@@ -167,3 +185,28 @@ class ChatRenderer:
         if end < 0 or text.count(_SENTINEL) != 1:
             return None
         return text[end + len(self.assistant_tail) :]
+
+
+def _arguments_as_text(messages: list[Message]) -> list[Message]:
+    """`messages` with every call's arguments as JSON text (as the client sent them, but for
+    spacing: `json.dumps`'s, which is how such templates' models write them)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = m | {
+                "tool_calls": [
+                    c
+                    | {
+                        "function": c["function"]
+                        | {"arguments": _text(c["function"].get("arguments", {}))}
+                    }
+                    for c in calls
+                ]
+            }
+        out.append(m)
+    return out
+
+
+def _text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)

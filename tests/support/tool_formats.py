@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.core.tool_parsers import (
+    DeepseekV31Parser,
     Glm45Parser,
     GraniteParser,
     HermesParser,
@@ -88,6 +89,16 @@ def pythonic(calls: list[Call]) -> str:
     )
 
 
+def deepseek_v31(calls: list[Call]) -> str:
+    from gateway.core.tool_parsers import deepseek_v31 as ds
+
+    return (
+        ds.CALLS_BEGIN
+        + "".join(f"{ds.CALL_BEGIN}{n}{ds.SEP}{json.dumps(a)}{ds.CALL_END}" for n, a in calls)
+        + ds.CALLS_END
+    )
+
+
 def minimax_m2(calls: list[Call]) -> str:
     """As MiniMax-M2's template writes calls: one block, bare strings, JSON otherwise."""
     return (
@@ -112,5 +123,6 @@ FORMATS: dict[str, tuple[ToolCallParser, Callable[[list[Call]], str]]] = {
     "minimax_m2": (MinimaxM2Parser(), minimax_m2),
     "granite": (GraniteParser(), granite),
     "phi4_mini_json": (Phi4MiniJsonParser(), phi4_mini),
+    "deepseek_v31": (DeepseekV31Parser(), deepseek_v31),
 }
 """Formats whose names and keys are free text; `pythonic` (Llama 4) takes Python identifiers."""

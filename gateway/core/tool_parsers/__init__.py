@@ -16,6 +16,9 @@ Each model family writes tool calls in its own markup; a parser turns a finished
 - `granite` (Granite 3.x): `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, nothing after.
 - `phi4_mini_json` (Phi-4-mini): `functools[{"name": ..., "arguments": {...}}, ...]` after any text.
 - `llama4_pythonic` (Llama 4): the whole reply is `[name(key=literal, ...), ...]`, Python literals.
+- `deepseek_v31` (DeepSeek-V3.1): `<|tool_calls_begin|>`, then per call
+  `<|tool_call_begin|>NAME<|tool_sep|>{...}<|tool_call_end|>`, then `<|tool_calls_end|>` (each `|`
+  written as U+FF5C and `_` as U+2581).
 - `minimax_m2`: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="K">V</parameter>\n`
   ... `</invoke>\n</minimax:tool_call>`, one block for every call; values as GLM's.
 
@@ -34,12 +37,14 @@ from __future__ import annotations
 
 import re
 
+from gateway.core.tool_parsers import deepseek_v31
 from gateway.core.tool_parsers.base import (
     NoToolParser,
     Parsed,
     ParsedToolCall,
     ToolCallParser,
 )
+from gateway.core.tool_parsers.deepseek_v31 import DeepseekV31Parser
 from gateway.core.tool_parsers.glm45 import Glm45Parser
 from gateway.core.tool_parsers.hermes import HermesParser
 from gateway.core.tool_parsers.json_list import GraniteParser, Phi4MiniJsonParser
@@ -51,6 +56,7 @@ from gateway.core.tool_parsers.qwen3_coder import Qwen3CoderParser
 
 __all__ = [
     "TOOL_PARSERS",
+    "DeepseekV31Parser",
     "Glm45Parser",
     "GraniteParser",
     "HermesParser",
@@ -78,6 +84,7 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "granite": GraniteParser,
     "phi4_mini_json": Phi4MiniJsonParser,
     "llama4_pythonic": Llama4PythonicParser,
+    "deepseek_v31": DeepseekV31Parser,
 }
 
 # Llama 3.1/3.2's instruction: `{"name": function name, "parameters": dictionary of ...}`.
@@ -87,7 +94,8 @@ _LLAMA3_INSTRUCTION_RE = re.compile(r'\{"name":[^{}]*"parameters"')
 def detect_tool_parser(chat_template: str) -> str | None:
     """The parser a chat template's own tool-call format calls for: minimax_m2 when it writes
     `<minimax:tool_call>`, granite for its `available_tools` role, phi4_mini_json for `functools[`,
-    llama4_pythonic for its `[func_name1(` instruction,
+    llama4_pythonic for its `[func_name1(` instruction, deepseek_v31 for its calls marker
+    without V3's fenced JSON,
     qwen3_coder for `<function=`, glm45 for `<arg_key>`, hermes for
     `<tool_call>`, mistral for `[TOOL_CALLS]`, llama3_json for `<|python_tag|>` or a Llama-3 style
     `"parameters"` JSON instruction; None when nothing matches (never a guess: a format read by the
@@ -100,6 +108,9 @@ def detect_tool_parser(chat_template: str) -> str | None:
         return "phi4_mini_json"
     if "[func_name1(" in chat_template:
         return "llama4_pythonic"
+    if deepseek_v31.CALLS_BEGIN in chat_template:
+        # V3.1's bare `NAME<sep>{...}`; V3-0324's fenced JSON is another format
+        return None if "```json" in chat_template else "deepseek_v31"
     if "<function=" in chat_template:
         return "qwen3_coder"
     if "<arg_key>" in chat_template:

@@ -5,6 +5,7 @@ in `tests/support/templates/`) detected and its rendered calls read back."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -116,7 +117,7 @@ def test_a_familys_own_template_is_detected_and_its_calls_read_back(family: str)
         ("granite", "granite"),
         ("phi4_mini_json", "phi4_mini_json"),
         # families with no parser yet: refused by name, never read by a guess
-        ("deepseek_v31", None),
+        ("deepseek_v31", "deepseek_v31"),
         ("kimi_k2", None),
         ("llama4_pythonic", "llama4_pythonic"),
     ],
@@ -170,3 +171,38 @@ def test_llama4s_template_renders_calls_the_parser_reads_back() -> None:
         ("get_weather", {"city": "Paris", "days": "2"}),
         ("get_time", {"tz": "UTC"}),
     ]
+
+
+def test_deepseek_v31s_template_takes_arguments_as_text_and_its_calls_read_back(
+    tiny_model: Path,
+) -> None:
+    """DeepSeek-V3.1's template adds a call's arguments to a string: the renderer learns from
+    the TypeError that it takes them as JSON text, and the calls it renders read back."""
+    from engines.tiny_model import load_tokenizer
+    from gateway.core.chat_render import ChatRenderer
+    from gateway.core.tool_parsers import deepseek_v31 as ds
+
+    tokenizer = load_tokenizer(tiny_model)
+    tokenizer.chat_template = (REAL_TEMPLATES / "deepseek_v31.jinja").read_text()
+    renderer = ChatRenderer(tokenizer, frozenset())
+    assert not renderer.arguments_as_text
+    calls: list[Call] = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Tokyo"})]
+    assistant = {
+        "role": "assistant",
+        "content": "I'll look up both cities.",
+        "tool_calls": [
+            {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls
+        ],
+    }
+    history = [
+        {"role": "user", "content": "Weather?"},
+        assistant,
+        {"role": "tool", "content": "18C"},
+        {"role": "user", "content": "Thanks"},
+    ]
+    text = renderer.render(history, None, add_generation_prompt=True)
+    assert renderer.arguments_as_text
+    reply = text.split("</think>", 1)[1].split(ds.CALLS_END, 1)[0] + ds.CALLS_END
+    content, parsed = TOOL_PARSERS["deepseek_v31"]().parse(reply)
+    assert content == "I'll look up both cities."
+    assert calls_of((content, parsed)) == calls

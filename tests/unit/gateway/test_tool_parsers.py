@@ -12,6 +12,7 @@ import pytest
 
 from gateway.core.tool_parsers import (
     TOOL_PARSERS,
+    DeepseekV31Parser,
     Glm45Parser,
     GraniteParser,
     HermesParser,
@@ -27,6 +28,7 @@ from gateway.core.tool_parsers import (
     build_tool_parser,
     detect_tool_parser,
 )
+from gateway.core.tool_parsers import deepseek_v31 as DS
 from tests.support.paths import REPO_ROOT
 from tests.support.tool_formats import FORMATS, Call, hermes, llama3, qwen3
 
@@ -115,6 +117,13 @@ MALFORMED: dict[str, list[str]] = {
         "[]",
         "[f(a={1, 2})]",
     ],
+    "deepseek_v31": [
+        DS.CALLS_BEGIN + DS.CALL_BEGIN + "f" + DS.SEP + '{"a": 1' + DS.CALL_END + DS.CALLS_END,
+        DS.CALLS_BEGIN + DS.CALL_BEGIN + "f" + DS.SEP + "[1]" + DS.CALL_END + DS.CALLS_END,
+        DS.CALLS_BEGIN + "stray" + DS.CALL_BEGIN + "f" + DS.SEP + "{}" + DS.CALL_END,
+        DS.CALLS_BEGIN + DS.CALL_BEGIN + "two words" + DS.SEP + "{}" + DS.CALL_END,
+        "Sure." + DS.CALLS_BEGIN + DS.CALLS_END,
+    ],
     "granite": [
         '<|tool_call|>[{"name": "f", "arguments": {}}] and then words',
         '<|tool_call|>{"name": "f", "arguments": {}}',
@@ -173,6 +182,11 @@ PREFILL_CASES: list[tuple[ToolCallParser, str, str]] = [
     (MistralParser(), 'f", "arguments": {"a": 1}}]', '{"a": 1}}]'),
     (GraniteParser(), 'f", "arguments": {"a": 1}}]', '{"a": 1}}]'),
     (Llama4PythonicParser(), "f(a=1)]", "a=1)]"),
+    (
+        DeepseekV31Parser(),
+        "f" + DS.SEP + '{"a": 1}' + DS.CALL_END + DS.CALLS_END,
+        '{"a": 1}' + DS.CALL_END + DS.CALLS_END,
+    ),
     (Phi4MiniJsonParser(), 'f", "arguments": {"a": 1}}]', '{"a": 1}}]'),
     (
         MinimaxM2Parser(),
