@@ -286,12 +286,12 @@ async def test_a_template_that_refuses_the_messages_is_a_400_in_its_words(
 
 FAILING_TEMPLATE = (
     "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
-    "{%- for c in m.tool_calls or [] %}{{ '<call>' + c['function']['arguments'] }}{%- endfor %}"
+    "{%- for c in m.tool_calls or [] %}{{ c['function']['arguments'] + 1 }}{%- endfor %}"
     "<|im_end|>\n{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
 )
-"""DeepSeek-V3.1's way: a call's arguments added to a string, so arguments as an object (what
-the gateway renders) fail with a TypeError inside the template."""
+"""A template that fails on what a request holds (a TypeError inside it, as Granite's on a
+null content), whether a call's arguments are given as an object or as JSON text."""
 
 
 async def test_a_template_that_fails_on_the_messages_is_a_400_naming_the_error(
