@@ -4,7 +4,6 @@ in `tests/support/templates/`) detected and its rendered calls read back."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,17 +12,22 @@ import pytest
 from gateway.core.tool_parsers import (
     TOOL_PARSERS,
     Glm45Parser,
-    Parsed,
     Qwen3CoderParser,
     detect_tool_parser,
 )
 from tests.support.paths import REPO_ROOT
+from tests.support.tool_formats import Call, calls_of
 
-Call = tuple[str, dict[str, Any]]
 
-
-def calls_of(parsed: Parsed) -> list[Call]:
-    return [(c.name, json.loads(c.arguments)) for c in parsed[1]]
+def assistant_calling(calls: list[Call], content: str) -> dict[str, Any]:
+    """An assistant message with `calls` (arguments as objects, as the gateway renders them)."""
+    return {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [
+            {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls
+        ],
+    }
 
 
 def test_bare_values_are_read_by_their_declared_type() -> None:
@@ -89,13 +93,7 @@ def test_a_familys_own_template_is_detected_and_its_calls_read_back(family: str)
         ("get_weather", {"city": "Paris", "days": 2, "code": "75", "filters": {"n": [1, 2]}}),
         ("get_weather", {"city": "Tōkyō\nJapan"}),
     ]
-    assistant = {
-        "role": "assistant",
-        "content": "Let me check.",
-        "tool_calls": [
-            {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls
-        ],
-    }
+    assistant = assistant_calling(calls, "Let me check.")
     [whole], _ = render_jinja_template(
         conversations=[[{"role": "user", "content": "Weather?"}, assistant]],
         chat_template=template,
@@ -152,13 +150,7 @@ def test_llama4s_template_renders_calls_the_parser_reads_back() -> None:
 
     template = (REAL_TEMPLATES / "llama4_pythonic.jinja").read_text()
     calls = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "UTC"})]
-    assistant = {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls
-        ],
-    }
+    assistant = assistant_calling(calls, "")
     [whole], _ = render_jinja_template(
         conversations=[[{"role": "user", "content": "Weather?"}, assistant]],
         chat_template=template,
@@ -187,13 +179,7 @@ def test_deepseek_v31s_template_takes_arguments_as_text_and_its_calls_read_back(
     renderer = ChatRenderer(tokenizer, frozenset())
     assert not renderer.arguments_as_text
     calls: list[Call] = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Tokyo"})]
-    assistant = {
-        "role": "assistant",
-        "content": "I'll look up both cities.",
-        "tool_calls": [
-            {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls
-        ],
-    }
+    assistant = assistant_calling(calls, "I'll look up both cities.")
     history = [
         {"role": "user", "content": "Weather?"},
         assistant,
