@@ -81,6 +81,7 @@ def detail_json(d: SessionDetail) -> dict[str, Any]:
                 "completion_ids": s.completion_ids,
                 "turn_spans": [list(span) for span in s.turn_spans],
                 "turn_sampling": s.turn_sampling,
+                "turn_side": s.turn_side,
                 "tokens": s.tokens,
                 "loss_mask": s.loss_mask,
                 "logprobs": s.logprobs,

@@ -106,8 +106,9 @@ async def iter_sessions(
     db: Database, run_id: str, f: SessionFilter, *, batch: int = 64
 ) -> AsyncIterator[tuple[Loaded, dict[str, JSON]]]:
     """Every matching session, oldest first, loaded whole (segments, rewards), with each
-    segment's transcript by segment id; `batch` sessions per read. Aborted turns are left out
-    unless `f.include_aborted` (see `store.trajectories`)."""
+    segment's transcript by segment id; `batch` sessions per read. Aborted turns and side
+    requests' turns are left out unless `f.include_aborted`, `f.include_side` (see
+    `store.trajectories`)."""
     sums = _reward_sums().subquery()
     conds = _where(run_id, f, sums.c.total)
     after: tuple[object, str] | None = None
@@ -130,7 +131,9 @@ async def iter_sessions(
             if not keys:
                 return
             ids = [k.id for k in keys]
-            loaded = await load_sessions(s, ids, include_aborted=f.include_aborted)
+            loaded = await load_sessions(
+                s, ids, include_aborted=f.include_aborted, include_side=f.include_side
+            )
             found = await s.execute(
                 select(SegmentRow.id, SegmentRow.transcript).where(SegmentRow.session_id.in_(ids))
             )

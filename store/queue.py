@@ -62,7 +62,7 @@ def _trainable(run_id: str, now: datetime) -> ColumnElement[bool]:
 
 async def _trajectories(db: Database, ids: Sequence[str], gamma: float) -> list[Trajectory]:
     async with db.read() as s:
-        loaded = await load_sessions(s, ids, include_aborted=False)
+        loaded = await load_sessions(s, ids, include_aborted=False, include_side=False)
     return [loaded[i].trajectory(gamma) for i in ids if i in loaded]
 
 

@@ -46,23 +46,87 @@ it: a turn of a run that sets it samples at most `max_tokens` new tokens, whatev
 (`max_tokens`, `max_completion_tokens`, `max_output_tokens`; the cap when it asks none), and says
 so in the response header `x-rlgateway-max-tokens: capped N` and in the turn's record
 (`max_tokens_cap`). A run that sets none is not capped.
+
+**Side requests** (`side_requests`). Agent CLIs send requests of their own through the agent's
+session that are not the agent's work: Claude Code asks for a conversation title and checks its
+quota with a one-token request; a harness may ask for a summary. Their replies are not what the
+episode's reward judges, so training them on it teaches the model nothing true. A run lists rules
+(`SideRule`: a pattern of the system prompt, a bound on the `max_tokens` the client asked, a
+header); a request that one of them matches is a side request: answered and recorded as any
+other, its turn marked with the rule's name (`completions.side`), but never trained: the trainer
+and the export leave its turn out as they leave an aborted one (its tokens are context for a later
+turn of its segment at most, `store.trajectories`), the page shows it apart, and the answer says
+so in the response header `x-rlgateway-side: RULE`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ClientSampling = Literal["record", "run"]
 
 SAMPLING_HEADER = "x-rlgateway-sampling"
 """Response header naming the contract a turn was sampled under (`record` or `run`)."""
 
+SIDE_HEADER = "x-rlgateway-side"
+"""Response header of a side request: the name of the rule that matched it (module docstring)."""
+
 MAX_TOKENS_HEADER = "x-rlgateway-max-tokens"
 """Response header of a turn of a run that sets `max_tokens` N: `capped N`, its new tokens were
 at most N (module docstring, the turn budget)."""
+
+
+class SideRule(BaseModel):
+    """Marks matching requests as side requests (module docstring): a request matches when every
+    condition the rule sets holds (at least one must be set)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")
+    """What the turn's record, the page and the `x-rlgateway-side` header call it."""
+    system: str | None = Field(None, min_length=1)
+    """A regular expression (Python's `re`) searched for in the request's system prompt: its
+    system and developer messages (chat, Responses `instructions`, Messages `system`), joined
+    by newlines. A request without one never matches."""
+    max_tokens_below: int | None = Field(None, ge=1)
+    """The client asked for fewer new tokens than this (`max_tokens`, `max_completion_tokens`,
+    `max_output_tokens`); a request that asks none never matches."""
+    header: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+    """The request carries this header (its name, any case), whatever its value."""
+
+    @field_validator("system")
+    @classmethod
+    def _compiles(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression: {exc}") from None
+        return pattern
+
+    @model_validator(mode="after")
+    def _sets_a_condition(self) -> Self:
+        if self.system is None and self.max_tokens_below is None and self.header is None:
+            raise ValueError(
+                f"side request rule {self.name!r} sets no condition: give system, "
+                "max_tokens_below or header"
+            )
+        return self
+
+    def matches(self, system: str, max_tokens: int | None, headers: Mapping[str, str]) -> bool:
+        """Whether a request with this system prompt, asked maximum of new tokens and header
+        names (lower case) is one this rule marks."""
+        if self.system is not None and (not system or re.search(self.system, system) is None):
+            return False
+        if self.max_tokens_below is not None and (
+            max_tokens is None or max_tokens >= self.max_tokens_below
+        ):
+            return False
+        return self.header is None or self.header.lower() in headers
 
 
 class RunConfig(BaseModel):
@@ -95,6 +159,28 @@ class RunConfig(BaseModel):
     `refuse` answers 400 naming the part; `placeholder` renders it as `[image omitted]` (and the
     like), recorded as context, so that an agent that read a picture goes on
     (`gateway.core.media`)."""
+    side_requests: list[SideRule] = Field(default_factory=list)
+    """Rules that mark an agent's side requests (a title, a quota check): recorded, answered,
+    never trained (module docstring). The first rule that matches names the request's mark."""
+
+    @field_validator("side_requests")
+    @classmethod
+    def _distinct_names(cls, rules: list[SideRule]) -> list[SideRule]:
+        names = [r.name for r in rules]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"side request rules share a name: {', '.join(twice)}")
+        return rules
+
+    def side_rule(
+        self, system: str, max_tokens: int | None, headers: Mapping[str, str]
+    ) -> str | None:
+        """The name of the first side request rule the request matches (`SideRule.matches`),
+        or None: the request is the agent's own work."""
+        for rule in self.side_requests:
+            if rule.matches(system, max_tokens, headers):
+                return rule.name
+        return None
 
 
 RUN_FIELDS: tuple[str, ...] = tuple(RunConfig.model_fields)

@@ -160,6 +160,9 @@ class CompletionRow(Base):
     status: Mapped[str] = mapped_column(String(16))
     """ok, aborted or replaced (`store.types.TurnStatus`); a replaced turn is outside its
     segment (not counted in `segments.length`)."""
+    side: Mapped[str | None] = mapped_column(String(100))
+    """The run's side request rule that matched the request (`store.run_config.SideRule`): a
+    turn recorded, never trained. NULL: the agent's own turn."""
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
     request: Mapped[dict[str, Any]] = mapped_column(JSON)
     response: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -9,6 +9,9 @@ detail (`include_aborted`, what the page shows), but the trainer and the export 
 tokens stay as context (loss mask 0) when a later turn of the segment follows it, a segment's
 trailing aborted turns are cut off, a segment left without turns is dropped, and it earns no
 return (a reward given to it is ignored; the final reward goes to the last turn that remains).
+A side request's turn (`completions.side`: a rule of the run marked its request, see
+`store.run_config`) is shown in the detail, marked with its rule (`Segment.turn_side`), and left
+out of the trainer's and the export's view in the same way (`include_side`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class Loaded:
     finish_reasons: dict[str, str]
     aborted_turns: int = 0
     """Aborted turns left out (0 when they are included)."""
+    side_turns: int = 0
+    """Side requests' turns left out (0 when they are included)."""
 
     def detail(self, gamma: float) -> SessionDetail:
         return SessionDetail(
@@ -90,6 +95,7 @@ class Loaded:
             reward=math.fsum(r.value for r in rewards),
             min_version=min(versions, default=-1),
             aborted_turns=self.aborted_turns,
+            side_turns=self.side_turns,
         )
 
 
@@ -103,6 +109,7 @@ class _SegmentBuilder:
         self.completion_ids: list[str] = []
         self.turn_spans: list[tuple[int, int]] = []
         self.turn_sampling: list[JSON] = []
+        self.turn_side: list[str | None] = []
         self.shown_end = 0
         """Where the last shown turn ends (a left-out turn after it is cut off)."""
 
@@ -126,6 +133,7 @@ class _SegmentBuilder:
         self.completion_ids.append(c.id)
         self.turn_spans.append((start, len(self.tokens)))
         self.turn_sampling.append(dict(c.sampling))
+        self.turn_side.append(c.side)
         self.shown_end = len(self.tokens)
 
     def build(self) -> Segment:
@@ -143,15 +151,21 @@ class _SegmentBuilder:
             completion_ids=self.completion_ids,
             turn_spans=self.turn_spans,
             turn_sampling=self.turn_sampling,
+            turn_side=self.turn_side,
         )
 
 
 async def load_sessions(
-    s: AsyncSession, session_ids: Sequence[str], *, include_aborted: bool = True
+    s: AsyncSession,
+    session_ids: Sequence[str],
+    *,
+    include_aborted: bool = True,
+    include_side: bool = True,
 ) -> dict[str, Loaded]:
     """Every found session of `session_ids`, keyed by id (missing ids are simply absent).
-    Without `include_aborted` (the trainer's and the export's view) aborted turns are left out
-    (module docstring); replaced turns always are."""
+    Without `include_aborted` and `include_side` (the trainer's view; the export's by default)
+    aborted turns and side requests' turns are left out (module docstring); replaced turns
+    always are."""
     if not session_ids:
         return {}
     ids = list(session_ids)
@@ -176,11 +190,16 @@ async def load_sessions(
     turn_ids: dict[str, list[str]] = defaultdict(list)
     finish: dict[str, dict[str, str]] = defaultdict(dict)
     left_out: dict[str, int] = defaultdict(int)
+    side: dict[str, int] = defaultdict(int)
     for c in completions:
-        shown = include_aborted or c.status != TurnStatus.ABORTED.value
-        builders[c.segment_id].add(c, shown=shown)
-        if not shown:
+        aborted = not include_aborted and c.status == TurnStatus.ABORTED.value
+        marked = not include_side and c.side is not None
+        builders[c.segment_id].add(c, shown=not (aborted or marked))
+        if aborted:
             left_out[c.session_id] += 1
+            continue
+        if marked:
+            side[c.session_id] += 1
             continue
         turn_ids[c.session_id].append(c.id)
         finish[c.session_id][c.id] = c.finish_reason
@@ -203,6 +222,7 @@ async def load_sessions(
             turn_ids=turn_ids[row.id],
             finish_reasons=finish[row.id],
             aborted_turns=left_out[row.id],
+            side_turns=side[row.id],
         )
         for row in sessions
     }

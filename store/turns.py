@@ -376,6 +376,7 @@ def _completion_row(
         max_version=max(record.versions, default=None),
         finish_reason=record.finish_reason,
         status=record.status.value,
+        side=record.side,
         sampling=record.sampling,
         request=record.request,
         response=record.response,

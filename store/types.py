@@ -131,6 +131,9 @@ class CompletionRecord:
     """The id of the segment's last turn that this one takes the place of (a retry of a request
     whose reply the client never received): that turn is marked replaced and the segment
     continues from before it, so `prefix_len` is that turn's own `prefix_len`."""
+    side: str | None = None
+    """The run's side request rule the request matched (`store.run_config`, side requests): the
+    turn is recorded and never trained. None: the agent's own turn."""
     sampling: JSON = field(default_factory=dict)
     request: JSON = field(default_factory=dict)
     response: JSON = field(default_factory=dict)
@@ -197,6 +200,11 @@ class Segment:
     """Per completion (aligned with `completion_ids`), the settings it was sampled with, as
     recorded (`CompletionRecord.sampling`: temperature, top_p, top_k, min_new_tokens, ... and the
     `contract`, see `store.run_config`); empty for a segment built without them."""
+    turn_side: list[str | None] = field(default_factory=list)
+    """Per completion (aligned with `completion_ids`), the side request rule that marked it
+    (`CompletionRecord.side`), None for the agent's own turns; empty for a segment built without
+    them. Only the session's detail shows side turns as turns: the trainer's view leaves them
+    out (`store.trajectories`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +243,8 @@ class Trajectory:
     """The oldest policy version among its sampled tokens (-1 if it has none)."""
     aborted_turns: int = 0
     """Aborted turns left out of its segments (context at most, never trained)."""
+    side_turns: int = 0
+    """Side requests' turns left out of its segments (`store.run_config`, side requests)."""
 
 
 class RunStatus(enum.StrEnum):
@@ -294,6 +304,9 @@ class SessionFilter:
     include_aborted: bool = False
     """Export aborted turns as turns (trained tokens, in `completion_ids`) rather than leaving
     them out (the default: their tokens stay only as context of a later turn)."""
+    include_side: bool = False
+    """Export side requests' turns (`store.run_config`) as turns rather than leaving them out
+    (the default, as the trainer does)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -532,6 +532,7 @@ class Trainer:
             "stale_tokens": built.stale_tokens,
             "untrainable_turns": built.untrainable_turns,
             "aborted_turns": built.aborted_turns,
+            "side_turns": built.side_turns,
         }
         self.settled.clear()
         return counts

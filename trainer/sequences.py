@@ -78,6 +78,9 @@ class Built:
     aborted_turns: int = 0
     """Aborted turns of the given trajectories, left out by the store (replies their agent never
     saw whole are never trained): the step's count of them."""
+    side_turns: int = 0
+    """Side requests' turns of the given trajectories, left out by the store (recorded, never
+    trained; `store.run_config`): the step's count of them."""
     untrainable_turns: int = 0
     """Turns sampled under a distribution the trainer cannot reproduce (module docstring): kept
     as context, left out of the loss."""
@@ -272,6 +275,7 @@ def build_sequences(
         token_rewards if algo.use_critic else None,
         discounts,
         aborted_turns=sum(t.aborted_turns for t in trajectories),
+        side_turns=sum(t.side_turns for t in trajectories),
         untrainable_turns=untrainable,
         stale_tokens=stale,
     )

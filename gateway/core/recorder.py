@@ -130,11 +130,14 @@ class Recorder:
         outcomes: list[ChoiceOutcome],
         sampling: dict[str, Any],
         request: dict[str, Any],
+        *,
+        side: str | None = None,
     ) -> None:
         """Write every choice in one transaction, then advance the live segments. On failure
         nothing is written and the plan is released. Completes even if the caller is cancelled
-        (a client that went away): the turn is recorded all the same."""
-        await asyncio.shield(self._commit(plan, outcomes, sampling, request))
+        (a client that went away): the turn is recorded all the same. `side`: the side request
+        rule that marked the request (`store.run_config`)."""
+        await asyncio.shield(self._commit(plan, outcomes, sampling, request, side))
 
     async def _commit(
         self,
@@ -142,6 +145,7 @@ class Recorder:
         outcomes: list[ChoiceOutcome],
         sampling: dict[str, Any],
         request: dict[str, Any],
+        side: str | None,
     ) -> None:
         records = [
             CompletionRecord(
@@ -160,6 +164,7 @@ class Recorder:
                 finish_reason=o.finish_reason,
                 status=o.status,
                 replaces=t.replaces,
+                side=side,
                 sampling=sampling,
                 request=request,
                 response=o.response,

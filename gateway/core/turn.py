@@ -41,6 +41,7 @@ from gateway.core.turn_types import (
     RECORD_KEY,
     ChatPrompt,
     Choice,
+    Exchange,
     Group,
     Parsers,
     Prompt,
@@ -49,7 +50,7 @@ from gateway.core.turn_types import (
     TurnSpec,
 )
 from gateway.errors import BadRequest
-from store.run_config import RunConfig
+from store.run_config import SIDE_HEADER, RunConfig
 from store.types import JSON, LastTurn
 
 WHOLE_OUTPUT_INTERVAL = 16
@@ -177,14 +178,17 @@ class TurnCore:
         *,
         run: RunConfig | None,
         retry: bool = False,
+        exchange: Exchange | None = None,
         respond: Callable[[Turn, Choice], JSON],
     ) -> Turn:
         """Plan every prompt and start its choices; for a stream, return once the first piece
         was generated. `run`: the config of the session's run, which the request samples under
         (`gateway.core.sampling`; None outside a session). `retry`: the client says this repeats a
-        request whose reply it never got (`gateway.core.segments`). `respond`: a choice's response
-        JSON in the adapter's protocol, which is recorded with it."""
+        request whose reply it never got (`gateway.core.segments`). `exchange`: the request's
+        headers, which the run's side request rules read, and the answer's (`side_of`).
+        `respond`: a choice's response JSON in the adapter's protocol, recorded with it."""
         self.check_tools(spec.prompts)
+        side = side_of(spec, run, exchange)
         sp = self.held(spec.prompts, sampling_params(spec.asked, run))
         # A maximum the client did not ask for (the run's cap) is a limit, never a demand: where
         # the prompt leaves less room in the context, generate up to the room left.
@@ -211,7 +215,14 @@ class TurnCore:
             self.release(groups)
             raise
         turn = Turn(
-            self.context, spec, groups, sp, contract_of(run), respond, cap=max_tokens_cap(run)
+            self.context,
+            spec,
+            groups,
+            sp,
+            contract_of(run),
+            respond,
+            cap=max_tokens_cap(run),
+            side=side,
         )
         if spec.stream:
             await turn.start_stream()
@@ -280,6 +291,30 @@ class TurnCore:
             return await asyncio.to_thread(fresh), None
         plan = await self.recorder.plan(session_id, n, choose, fresh)
         return plan.prompt_ids, plan
+
+
+def system_text(prompts: list[Prompt]) -> str:
+    """The request's system prompt: its system messages (developer and instructions are
+    normalized to them), joined by newlines; empty for token prompts."""
+    return "\n".join(
+        str(m.get("content") or "")
+        for p in prompts
+        if isinstance(p, ChatPrompt)
+        for m in p.messages
+        if m.get("role") == "system"
+    )
+
+
+def side_of(spec: TurnSpec, run: RunConfig | None, exchange: Exchange | None) -> str | None:
+    """The run's side request rule that marks this request (`store.run_config`), said in the
+    answer's `x-rlgateway-side` header; None: the agent's own turn (or no run)."""
+    if run is None or not run.side_requests:
+        return None
+    headers = {} if exchange is None else exchange.headers
+    side = run.side_rule(system_text(spec.prompts), spec.asked.max_new_tokens, headers)
+    if side is not None and exchange is not None:
+        exchange.answer_headers[SIDE_HEADER] = side
+    return side
 
 
 def _choose_tokens(

@@ -49,6 +49,7 @@ class Turn:
         respond: Callable[[Turn, Choice], JSON],
         *,
         cap: int | None,
+        side: str | None = None,
     ) -> None:
         self.context = context
         """What it reads of the core that started it."""
@@ -58,6 +59,8 @@ class Turn:
         self.contract = contract
         self.cap = cap
         """The run's cap on new tokens (`gateway.core.sampling.max_tokens_cap`), recorded."""
+        self.side = side
+        """The run's side request rule the request matched (`store.run_config`), recorded."""
         self.respond = respond
         self.id = f"{spec.id_prefix}{uuid.uuid4().hex[:29]}"
         self.created = int(time.time())
@@ -244,7 +247,7 @@ class Turn:
                         ttft_ms=r.ttft_ms,
                     )
                 )
-            await recorder.commit(g.plan, outcomes, sampling, request)
+            await recorder.commit(g.plan, outcomes, sampling, request, side=self.side)
 
     def _release(self) -> None:
         if not self.committed:

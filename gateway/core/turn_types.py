@@ -9,6 +9,7 @@ it streams, `Delta`s) into its response JSON and events. `Parsers` say how repli
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -97,6 +98,18 @@ class TurnSpec:
     error the client understands (the Responses API's `context_length_exceeded`, on which Codex
     compacts its history): the client never takes it as a reply, so it is recorded aborted and
     never trained."""
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What a request carries beside its body, and what its answer says beside its JSON: the
+    HTTP edge as the turn core sees it."""
+
+    headers: Mapping[str, str] = field(default_factory=dict)
+    """The request's headers (names in lower case, or a case-insensitive mapping)."""
+    answer_headers: dict[str, str] = field(default_factory=dict)
+    """Headers the turn adds to its answer (a side request's `x-rlgateway-side`), set before
+    the answer starts."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from gateway.auth import require_active, resolve
 from gateway.core.attempts import Key
 from gateway.core.choices import EventStream
 from gateway.core.sampling import contract_of, max_tokens_cap
+from gateway.core.turn_types import Exchange
 from gateway.deps import Gateway
 from gateway.errors import BadRequest, declare_envelopes, error_docs
 from store.run_config import MAX_TOKENS_HEADER, SAMPLING_HEADER, RunConfig
@@ -216,9 +217,10 @@ async def generate(
     check: Callable[[], None] | None = None,
     headers: dict[str, str] | None = None,
 ) -> Response:
-    """Authenticate, then answer `body` by `create(body, session_id, run=, retry=)` while the
-    client is connected. `check` runs after authentication (a check that needs the model);
-    `headers` are added to the answer."""
+    """Authenticate, then answer `body` by `create(body, session_id, run=, retry=, exchange=)`
+    while the client is connected. `check` runs after authentication (a check that needs the
+    model); `headers` are added to the answer, and so are those the turn adds (a side request's,
+    `Exchange.answer_headers`)."""
     caller = await resolve(request, gw.sessions, gw.settings.admin_token, session_id)
     require_active(caller)
     if check is not None:
@@ -229,17 +231,19 @@ async def generate(
     count = _retry_count(request)
     retry = count is not None and count >= 1
     key = None if body.stream or sid is None else await _attempt_key(request, route, sid)
-    extra = headers or {}
+    exchange = Exchange(request.headers)
     if key is None:
-        result = await _while_connected(request, create(body, sid, run=run, retry=retry))
+        result = await _while_connected(
+            request, create(body, sid, run=run, retry=retry, exchange=exchange)
+        )
         if result is None:
             return Response(status_code=CLIENT_GONE)
-        return _respond(result, sampled, extra)
+        return _respond(result, sampled, {**(headers or {}), **exchange.answer_headers})
 
     async def answer(known: bool) -> dict[str, Any]:
         # An earlier attempt known here either answered (replayed), left an aborted turn (which
         # any repeat replaces) or nothing: only an unknown one may have left a lost reply.
-        result = await create(body, sid, run=run, retry=retry and not known)
+        result = await create(body, sid, run=run, retry=retry and not known, exchange=exchange)
         assert isinstance(result, dict), "a non-streaming request answers JSON"
         return result
 
@@ -248,4 +252,5 @@ async def generate(
     if replay is None:
         return Response(status_code=CLIENT_GONE)
     response, replayed = replay
+    extra = {**(headers or {}), **exchange.answer_headers}
     return _respond(response, sampled, extra, replayed=replayed)

@@ -197,6 +197,10 @@ async function sessionPage(sessionId) {
     try { await api("PUT", `/sessions/${enc(sessionId)}/reward`, body); await route(); }
     catch (err) { msg.textContent = err.message; msg.className = "error"; }
   });
+  // Segments whose every turn is a side request are shown apart, after the agent's own.
+  const sideOnly = (g) => (g.turn_side || []).length > 0 && g.turn_side.every((r) => r);
+  const own = s.segments.filter((g) => !sideOnly(g));
+  const side = s.segments.filter(sideOnly);
   view().replaceChildren(
     el("p", {}, el("a", { href: "#/runs/" + enc(s.run_id) }, "← run " + s.run_id)),
     el("h1", {}, "Session ", el("span", { class: "mono" }, s.id), " ", statusBadge(s.status)),
@@ -214,7 +218,16 @@ async function sessionPage(sessionId) {
       swatch(el("span", { class: "tok sampled" }, "sampled, unlikely"), -3),
       el("span", { class: "tok masked" }, "context (loss-masked)"), el("span", { class: "tok tool" }, "tool output (loss-masked)"),
       el("span", { class: "ver" }, "v3"), " policy version of the sampled span"),
-    ...s.segments.map((g) => el("div", {}, el("h3", {}, `segment ${g.index} · ${g.tokens.length} tokens · ${g.completion_ids.length} turns`), renderSegment(g))));
+    ...own.map((g) => el("div", {}, el("h3", {}, segmentTitle(g)), renderSegment(g))),
+    ...(side.length ? [el("h2", {}, "Side requests"),
+      el("p", { class: "legend" }, "Recorded and answered, never trained: requests the run's side_requests rules marked (a title, a quota check)."),
+      ...side.map((g) => el("div", { testid: "side-segment" }, el("h3", {}, segmentTitle(g)), renderSegment(g)))] : []));
+}
+
+function segmentTitle(g) {
+  const rules = [...new Set((g.turn_side || []).filter((r) => r))];
+  const marked = rules.length ? ` · side: ${rules.join(", ")}` : "";
+  return `segment ${g.index} · ${g.tokens.length} tokens · ${g.completion_ids.length} turns${marked}`;
 }
 
 // --- routing ----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // The trajectory viewer: a segment's tokens, sampled ones coloured by their behaviour logprob,
-// loss-masked context (prompt) in grey, tool messages in blue, and a badge with the policy
-// version wherever the version of the sampled tokens changes.
+// loss-masked context (prompt) in grey, tool messages in blue, a side request's reply struck
+// through (recorded, never trained), and a badge with the policy version wherever the version of
+// the sampled tokens changes.
 "use strict";
 
 // Probability -> colour: red (unlikely) through yellow to green (certain).
@@ -34,6 +35,12 @@ function renderSegment(seg) {
   box.dataset.testid = "segment";
   const texts = seg.texts || seg.tokens.map((t) => `[${t}]`);
   const tools = toolTokens(texts);
+  const side = new Map();  // token index -> the side request rule that marked its turn
+  (seg.turn_side || []).forEach((rule, t) => {
+    if (!rule) return;
+    const [a, b] = seg.turn_spans[t];
+    for (let i = a; i < b; i++) side.set(i, rule);
+  });
   let lastVersion = null;
   seg.tokens.forEach((id, i) => {
     const sampled = seg.loss_mask[i] === 1;
@@ -48,12 +55,13 @@ function renderSegment(seg) {
     }
     if (!sampled) lastVersion = null;
     const span = document.createElement("span");
-    span.className = "tok " + (sampled ? "sampled" : tools.has(i) ? "tool" : "masked");
+    span.className = "tok " + (sampled ? "sampled" : tools.has(i) ? "tool" : "masked") + (side.has(i) ? " side" : "");
     span.textContent = texts[i];
     span.dataset.i = String(i);
     if (sampled) {
       span.style.background = logprobColour(seg.logprobs[i]);
-      span.title = `#${i} id ${id} | logprob ${seg.logprobs[i].toFixed(4)} | version ${version}`;
+      span.title = `#${i} id ${id} | logprob ${seg.logprobs[i].toFixed(4)} | version ${version}` +
+        (side.has(i) ? ` | side request (${side.get(i)}): not trained` : "");
     } else {
       span.title = `#${i} id ${id} | ${tools.has(i) ? "tool output" : "context"} (loss-masked)`;
     }

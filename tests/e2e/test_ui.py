@@ -1,8 +1,9 @@
 """The page at /ui end to end in headless Chromium (Playwright driving Debian's `chromium`, never a
 downloaded browser), against a real `rlgateway serve`: log in with the admin token, find the run
 this test recorded, read its charts, open a trajectory (tokens coloured by logprob, tool output
-and context told apart, version badges), pause the run and set a reward, and check both in the
-API and the store; a link with the token in its fragment opens it signed in."""
+and context told apart, version badges, a side request shown apart), pause the run and set a
+reward, and check both in the API and the store; a link with the token in its fragment opens it
+signed in."""
 
 from __future__ import annotations
 
@@ -50,8 +51,10 @@ TOOL_HISTORY = [
 
 def record(gw: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """A run with two recorded sessions (one with a tool result in its history, whose agent
-    then ended it as failed) and three training steps in the store."""
-    run_id = gw.create_run("ui-e2e", {"batch_size": 2, "group_size": 2})
+    then ended it as failed; the other with a side request too) and three training steps in the
+    store."""
+    side = [{"name": "title", "header": "x-title-request"}]
+    run_id = gw.create_run("ui-e2e", {"batch_size": 2, "group_size": 2, "side_requests": side})
     first, second = gw.new_sessions(2, run_id=run_id, group_id="g")
     for s, messages in ((first, TOOL_HISTORY), (second, [{"role": "user", "content": "hi"}])):
         r = httpx.post(
@@ -61,6 +64,13 @@ def record(gw: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
             timeout=60,
         )
         assert r.status_code == 200, r.text
+    r = httpx.post(
+        f"{second['base_url']}/chat/completions",
+        json={"messages": [{"role": "user", "content": "a title?"}], "max_tokens": 4, "seed": 2},
+        headers={"Authorization": f"Bearer {second['api_key']}", "x-title-request": "1"},
+        timeout=60,
+    )
+    assert r.headers["x-rlgateway-side"] == "title", r.headers
     gw.client.post(f"/sessions/{second['id']}/reward", json={"reward": 0.5})
     r = gw.client.post(f"/sessions/{first['id']}/end", json={"failure": "grader raised"})
     assert r.status_code == 200, r.text
@@ -171,8 +181,14 @@ def test_page_shows_a_run_opens_a_trajectory_pauses_and_sets_a_reward(
                 expect(page.locator("h1").get_by_test_id("status")).to_have_text("paused")
                 assert gw.client.get(f"/runs/{run_id}").json()["status"] == "paused"
 
-                # set a reward on the other session by hand
+                # set a reward on the other session by hand; its side request is shown apart
                 page.locator(f'[data-testid="session-row"][data-session="{second["id"]}"]').click()
+                apart = page.get_by_test_id("side-segment")
+                expect(apart).to_have_count(1)
+                expect(apart).to_contain_text("side: title")
+                [side_seg] = gw.session(second["id"])["segments"][1:]
+                struck = apart.locator(".tok.side")
+                expect(struck).to_have_count(sum(side_seg["loss_mask"]))
                 page.get_by_test_id("reward-value").fill("0.75")
                 page.get_by_test_id("reward-submit").click()
                 expect(page.get_by_test_id("reward-row")).to_have_count(1)

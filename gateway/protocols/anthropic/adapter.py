@@ -23,7 +23,7 @@ from gateway.core.reasoning_parsers import seal_reasoning
 from gateway.core.sampling import Asked
 from gateway.core.turn import TurnCore
 from gateway.core.turn_run import Turn
-from gateway.core.turn_types import ChatPrompt, Choice, TurnSpec, parse_arguments
+from gateway.core.turn_types import ChatPrompt, Choice, Exchange, TurnSpec, parse_arguments
 from gateway.errors import translate
 from gateway.protocols.anthropic.errors import anthropic_error_body
 from gateway.protocols.anthropic.types import (
@@ -73,6 +73,7 @@ class MessagesService:
         *,
         run: RunConfig | None,
         retry: bool = False,
+        exchange: Exchange | None = None,
     ) -> dict[str, Any] | EventStream:
         """The message (JSON), or for `stream` its events, once the first piece was generated
         (`TurnCore.start`)."""
@@ -94,7 +95,9 @@ class MessagesService:
             request=body.model_dump(mode="json", exclude_none=True),
             cap_to_context=True,
         )
-        turn = await self.core.start(spec, session_id, run=run, retry=retry, respond=message)
+        turn = await self.core.start(
+            spec, session_id, run=run, retry=retry, exchange=exchange, respond=message
+        )
         if body.stream:
             return EventStream(_stream(turn), turn.close)
         return message(turn, (await turn.complete())[0])

@@ -14,7 +14,7 @@ from gateway.core.choices import EventStream
 from gateway.core.media import Media, media_of, media_text
 from gateway.core.turn import TurnCore
 from gateway.core.turn_run import Turn
-from gateway.core.turn_types import ChatPrompt, Choice, Delta, ToolChoice, TurnSpec
+from gateway.core.turn_types import ChatPrompt, Choice, Delta, Exchange, ToolChoice, TurnSpec
 from gateway.errors import BadRequest
 from gateway.protocols.common import chat_logprobs
 from gateway.protocols.openai.sse import sse_stream, usage_of
@@ -144,12 +144,18 @@ class ChatService:
         *,
         run: RunConfig | None,
         retry: bool = False,
+        exchange: Exchange | None = None,
     ) -> dict[str, Any] | EventStream:
         """The response (JSON), or for `stream` the SSE events, once the first piece was
         generated (`TurnCore.start`)."""
         respond = _Respond(body)
         turn = await self.core.start(
-            chat_spec(body, media_of(run)), session_id, run=run, retry=retry, respond=respond.choice
+            chat_spec(body, media_of(run)),
+            session_id,
+            run=run,
+            retry=retry,
+            exchange=exchange,
+            respond=respond.choice,
         )
         if body.stream:
             return EventStream(_stream(turn, body), turn.close)

@@ -17,7 +17,7 @@ from gateway.core.chat_render import ChatRenderer
 from gateway.core.choices import EventStream, TokenPieces
 from gateway.core.turn import TurnCore
 from gateway.core.turn_run import Turn
-from gateway.core.turn_types import Choice, Prompt, TokenPrompt, TurnSpec
+from gateway.core.turn_types import Choice, Exchange, Prompt, TokenPrompt, TurnSpec
 from gateway.errors import BadRequest
 from gateway.protocols.openai.sse import sse_stream, usage_of
 from gateway.protocols.openai.types import CompletionRequest
@@ -51,6 +51,7 @@ class CompletionService:
         *,
         run: RunConfig | None,
         retry: bool = False,
+        exchange: Exchange | None = None,
     ) -> dict[str, Any] | EventStream:
         """As `ChatService.create`."""
         ids = await asyncio.to_thread(prompts_of, body, self.core.renderer)
@@ -66,7 +67,9 @@ class CompletionService:
             request=body.model_dump(mode="json", exclude_none=True),
         )
         respond = _Respond(body)
-        turn = await self.core.start(spec, session_id, run=run, retry=retry, respond=respond.choice)
+        turn = await self.core.start(
+            spec, session_id, run=run, retry=retry, exchange=exchange, respond=respond.choice
+        )
         if body.stream:
             return EventStream(_stream(turn, body), turn.close)
         choices = await turn.complete()

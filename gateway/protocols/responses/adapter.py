@@ -27,7 +27,7 @@ from gateway.core.reasoning_parsers import seal_reasoning
 from gateway.core.sampling import Asked
 from gateway.core.turn import TurnCore
 from gateway.core.turn_run import Turn
-from gateway.core.turn_types import ChatPrompt, Choice, TurnSpec
+from gateway.core.turn_types import ChatPrompt, Choice, Exchange, TurnSpec
 from gateway.errors import BadRequest, NotFound, translate
 from gateway.protocols.common import chat_logprobs
 from gateway.protocols.responses.kept import (
@@ -73,6 +73,7 @@ class ResponsesService:
         *,
         run: RunConfig | None,
         retry: bool = False,
+        exchange: Exchange | None = None,
     ) -> dict[str, Any] | EventStream:
         """The response (JSON), or for `stream` its events, once the first piece was generated
         (`TurnCore.start`)."""
@@ -108,7 +109,9 @@ class ResponsesService:
             edge_is_error=True,
         )
         shape = _Shape(body)
-        turn = await self.core.start(spec, session_id, run=run, retry=retry, respond=shape.choice)
+        turn = await self.core.start(
+            spec, session_id, run=run, retry=retry, exchange=exchange, respond=shape.choice
+        )
         if body.stream:
             return EventStream(self._stream(turn, shape, session_id, prior), turn.close)
         choice = (await turn.complete())[0]
