@@ -13,14 +13,21 @@ whitespace): the reply rendered back into the next turn's history is then the sa
 segment continues token for token. Each tool's schema is embedded whole (`%json{...}`, one rule
 per tool), so its own `$ref`s resolve as the client wrote them.
 
-A family whose format writes argument values as bare text (qwen3_coder's `<parameter=P>`) has
-no grammar: the prefill forces the call, the values are free, as before.
+A family whose format writes each argument as its key and value in markup, a string value as its
+bare text and any other as JSON (qwen3_coder, glm45, minimax_m2: `KeyedStyle`), is held by the
+tool's declared properties (`keyed_arguments`): each in declared order, a required one always, an
+optional one or not, none other; a value of a `string` property is bare text up to the format's
+closing markup (as the parser reads it, the first closing markup ends it), held to the property's
+`enum`, `const`, `minLength` and `maxLength` (not its `pattern` or `format`); any other value is
+JSON held to the property's schema. A tool that declares no properties takes any keys, values as
+bare text. Python-literal calls (llama4_pythonic) have no grammar: the prefill forces the call.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 ARGUMENTS_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -96,3 +103,130 @@ def arguments_rules(tools: Sequence[dict[str, Any]]) -> list[str]:
 def grammar(start: str, rules: Sequence[str]) -> str:
     """The Lark text of `start: ...` and its `rules`."""
     return "\n".join([f"start: {start}", *rules]) + "\n"
+
+
+def resolved(schema: Any, root: Mapping[str, Any]) -> Any:
+    """`schema` with its local `$ref` (`#/$defs/X`, `#/definitions/X`, against `root`) followed
+    until it names no other (a cycle or a reference it cannot follow stops there)."""
+    seen: set[str] = set()
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+        ref = schema["$ref"]
+        if ref in seen or not ref.startswith("#/"):
+            break
+        seen.add(ref)
+        node: Any = root
+        for part in ref[2:].split("/"):
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            break
+        schema = node
+    return schema
+
+
+def is_text(schema: Any) -> bool:
+    """A property a keyed format writes as bare text: declared `string`, or (undeclared) a
+    `const` or `enum` of strings only."""
+    if not isinstance(schema, dict):
+        return False
+    if "type" in schema:
+        return bool(schema["type"] == "string")
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    return isinstance(values, list) and bool(values) and all(isinstance(v, str) for v in values)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyedStyle:
+    """How a keyed format writes one argument: `key_open` KEY `key_close` VALUE `value_close`."""
+
+    key_open: str
+    key_close: str
+    value_close: str
+
+
+_REGEX_SPECIAL = frozenset("\\.+*?()|[]{}^$/")
+
+
+def _regex(text: str) -> str:
+    """`text` matched literally inside a Lark `/.../` regex."""
+    out = []
+    for c in text:
+        if c in _REGEX_SPECIAL:
+            out.append("\\" + c)
+        elif c == "\n":
+            out.append("\\n")
+        elif c == "\t":
+            out.append("\\t")
+        elif c == "\r":
+            out.append("\\r")
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def bare_text(rule: str, schema: Mapping[str, Any], close: str, marks: Marks) -> list[str]:
+    """`rule`: a string value written as its bare text, then `close` (the format's markup after
+    a value). Text ends at the first `close`, as the parser reads it: a lazy lexeme, or, where
+    `close` holds an added token, text up to it (the token cannot be text)."""
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list) and values:
+        return [f"{rule}: " + " | ".join(literal(str(v) + close, marks) for v in values)]
+    lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+    body = (
+        "(.|\\n)*" if lo == 0 and hi is None else f"(.|\\n){{{lo},{'' if hi is None else int(hi)}}}"
+    )
+    hits = [close.find(m) for m in marks if m and m in close]
+    if not hits:
+        return [f"{rule}[lazy]: /{body}{_regex(close)}/"]
+    at = min(hits)
+    return [f"{rule}: /{body}{_regex(close[:at])}/ {literal(close[at:], marks)}"]
+
+
+def keyed_arguments(rule: str, tool: dict[str, Any], style: KeyedStyle, marks: Marks) -> list[str]:
+    """`rule`: the arguments of `tool` in a keyed format (module docstring)."""
+    params = parameters(tool)
+    props = params.get("properties")
+    value_close = literal(style.value_close, marks)
+    if not isinstance(props, dict) or not props:  # any keys: each value bare text
+        head = literal(style.key_open, marks)
+        return [
+            f"{rule}: {rule}_pair*",
+            f"{rule}_pair: {head} {rule}_key {literal(style.key_close, marks)} {rule}_value",
+            f'{rule}_key: /[^\\s<>"=\\/]+/',
+            *bare_text(f"{rule}_value", {}, style.value_close, marks),
+        ]
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+    required = set(params.get("required") or ())
+    parts, rules = [], []
+    for j, (key, prop) in enumerate(props.items()):
+        pair, value = f"{rule}_{j}", f"{rule}_{j}_value"
+        schema = resolved(prop, params)
+        head = literal(style.key_open + str(key) + style.key_close, marks)
+        if is_text(schema):
+            rules += [
+                f"{pair}: {head} {value}",
+                *bare_text(value, schema, style.value_close, marks),
+            ]
+        else:
+            held = {**(schema if isinstance(schema, dict) else {}), **defs}
+            rules += [
+                f"{pair}: {head} {value} {value_close}",
+                f"{value}: %json" + json.dumps({**held, "x-guidance": ARGUMENTS_STYLE}),
+            ]
+        parts.append(pair if key in required else f"{pair}?")
+    return [f"{rule}: " + " ".join(parts), *rules]
+
+
+def keyed_named(
+    tools: Sequence[dict[str, Any]], name: str, style: KeyedStyle, marks: Marks
+) -> list[str]:
+    """The rule `args`: the arguments of the tool `name` in a keyed format (ValueError when no
+    such tool is declared)."""
+    for tool in tools:
+        if tool["function"]["name"] == name:
+            return keyed_arguments("args", tool, style, marks)
+    raise ValueError(f"tool {name!r} is not among the request's tools")
+
+
+def keyed_rules(tools: Sequence[dict[str, Any]], style: KeyedStyle, marks: Marks) -> list[str]:
+    """`argsI`: the arguments of the I-th tool in a keyed format (as `arguments_rules`)."""
+    return [r for i, t in enumerate(tools) for r in keyed_arguments(f"args{i}", t, style, marks)]

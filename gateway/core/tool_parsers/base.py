@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gateway.core.tool_grammars import Marks
+from gateway.core.tool_grammars import Marks, is_text, resolved
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class ToolCallParser(Protocol):
         """The grammar that continues `prefill(name)` (`gateway.core.tool_grammars`): the call's
         arguments held to its tool's schema and the format's closing markup (`marks`: the
         tokenizer's added tokens), then the end (more calls when `parallel` and the format
-        separates them). None: the format cannot be held (its values are bare text), and only
+        separates them). None: the format cannot be held (Python literals), and only
         the prefill forces the call."""
 
 
@@ -60,12 +60,17 @@ def _reject_constant(name: str) -> Any:
 
 
 def parameter_type(tools: Sequence[dict[str, Any]], function: str, key: str) -> Any:
-    """The JSON-schema `type` of parameter `key` of tool `function` (None when not declared)."""
+    """The JSON-schema `type` of parameter `key` of tool `function`, a local `$ref` followed;
+    `string` for an undeclared one whose `enum` or `const` is strings only (what a keyed
+    format's grammar writes as bare text, `tool_grammars.is_text`); None when not declared."""
     for tool in tools:
         fn = tool.get("function", {})
         if fn.get("name") == function:
-            prop = ((fn.get("parameters") or {}).get("properties") or {}).get(key)
-            return prop.get("type") if isinstance(prop, dict) else None
+            params = fn.get("parameters") or {}
+            prop = resolved((params.get("properties") or {}).get(key), params)
+            if not isinstance(prop, dict):
+                return None
+            return "string" if is_text(prop) else prop.get("type")
     return None
 
 

@@ -1,7 +1,8 @@
 """glm45 (GLM-4.5, GLM-4.6): `<tool_call>NAME\\n`, then per argument
 `<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n`, then `</tool_call>`; calls joined by `\\n`,
-text before the first. The template writes a string value as its bare text and any other as
-JSON, so a value is read back by its parameter's declared type (`typed_value`)."""
+text before the first. The template writes a string value as its bare text and any other as JSON,
+so a value is read back by its parameter's declared type (`typed_value`). A forced call is held
+by the tool's properties (`tool_grammars.keyed_arguments`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.core.tool_grammars import Marks
+from gateway.core import tool_grammars as tg
+from gateway.core.tool_grammars import KeyedStyle, Marks, literal
 from gateway.core.tool_parsers.base import (
     Parsed,
     ParsedToolCall,
@@ -23,6 +25,10 @@ from gateway.core.tool_parsers.base import (
 
 _BLOCK_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 _PAIR_RE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
+
+
+STYLE = KeyedStyle("<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n")
+"""One argument as the format writes it (`tool_grammars.keyed_arguments`)."""
 
 
 class Glm45Parser:
@@ -64,5 +70,10 @@ class Glm45Parser:
 
     def grammar(
         self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
-    ) -> None:
-        return None  # string values are bare text: only the prefill forces the call
+    ) -> str:
+        if name is not None:
+            args = tg.keyed_named(tools, name, STYLE, marks)
+            return tg.grammar(f"args {literal('</tool_call>', marks)}", args)
+        call = tg.any_call(tools, "{name}\n", "</tool_call>", marks)
+        more = f" ({literal(chr(10) + '<tool_call>', marks)} call)*" if parallel else ""
+        return tg.grammar(f"call{more}", [call, *tg.keyed_rules(tools, STYLE, marks)])

@@ -1,7 +1,8 @@
 """minimax_m2 (MiniMax-M2): one `<minimax:tool_call>\\n ... </minimax:tool_call>` block holds every
 call, each `<invoke name="NAME">\\n`, then `<parameter name="K">V</parameter>\\n` per argument,
 then `</invoke>\\n`; text before the block. As GLM's, the template writes a string value bare and
-any other as JSON, so a value is read back by its parameter's declared type (`typed_value`)."""
+any other as JSON, so a value is read back by its parameter's declared type (`typed_value`). A
+forced call is held by the tool's properties (`tool_grammars.keyed_arguments`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.core.tool_grammars import Marks
+from gateway.core import tool_grammars as tg
+from gateway.core.tool_grammars import KeyedStyle, Marks, literal
 from gateway.core.tool_parsers.base import (
     Parsed,
     ParsedToolCall,
@@ -24,6 +26,12 @@ from gateway.core.tool_parsers.base import (
 _BLOCK_RE = re.compile(r"<minimax:tool_call>(.*?)(?:</minimax:tool_call>|$)", re.S)
 _INVOKE_RE = re.compile(r'<invoke name="([^"\n]*)">(.*?)(?:</invoke>|$)', re.S)
 _PARAMETER_RE = re.compile(r'<parameter name="([^"\n]*)">(.*?)(?:</parameter>|$)', re.S)
+
+
+INVOKE = '<invoke name="'
+END = "</invoke>\n</minimax:tool_call>"
+STYLE = KeyedStyle('<parameter name="', '">', "</parameter>\n")
+"""One argument as the format writes it (`tool_grammars.keyed_arguments`)."""
 
 
 class MinimaxM2Parser:
@@ -68,5 +76,11 @@ class MinimaxM2Parser:
 
     def grammar(
         self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
-    ) -> None:
-        return None  # string values are bare text: only the prefill forces the call
+    ) -> str:
+        if name is not None:
+            args = tg.keyed_named(tools, name, STYLE, marks)
+            return tg.grammar(f"args {literal(END, marks)}", args)
+        call = tg.any_call(tools, '{name}">\n', "</invoke>\n", marks)
+        more = f" ({literal(INVOKE, marks)} call)*" if parallel else ""
+        close = literal("</minimax:tool_call>", marks)
+        return tg.grammar(f"call{more} {close}", [call, *tg.keyed_rules(tools, STYLE, marks)])

@@ -1,5 +1,7 @@
 """qwen3_coder: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n`, then
-`</function>\\n</tool_call>`; values are text, read back as JSON when they parse as JSON."""
+`</function>\\n</tool_call>`; a value is read by its parameter's declared type (`typed_value`):
+text for a string, else JSON when it parses. A forced call is held by the tool's properties
+(`tool_grammars.keyed_arguments`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.core.tool_grammars import Marks
+from gateway.core import tool_grammars as tg
+from gateway.core.tool_grammars import KeyedStyle, Marks, literal
 from gateway.core.tool_parsers.base import (
     Parsed,
     ParsedToolCall,
@@ -24,6 +27,10 @@ _QWEN3_FUNCTION_RE = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", r
 _QWEN3_PARAMETER_RE = re.compile(
     r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S
 )
+
+
+STYLE = KeyedStyle("<parameter=", ">\n", "\n</parameter>\n")
+"""One argument as the format writes it (`tool_grammars.keyed_arguments`)."""
 
 
 class Qwen3CoderParser:
@@ -72,5 +79,12 @@ class Qwen3CoderParser:
 
     def grammar(
         self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
-    ) -> None:
-        return None  # parameter values are bare text: only the prefill forces the call
+    ) -> str:
+        end = "</function>\n</tool_call>"
+        if name is not None:
+            args = tg.keyed_named(tools, name, STYLE, marks)
+            return tg.grammar(f"args {literal(end, marks)}", args)
+        call = tg.any_call(tools, "{name}>\n", end, marks)
+        again = literal("\n<tool_call>\n<function=", marks)
+        more = f" ({again} call)*" if parallel else ""
+        return tg.grammar(f"call{more}", [call, *tg.keyed_rules(tools, STYLE, marks)])

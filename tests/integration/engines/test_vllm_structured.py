@@ -143,3 +143,41 @@ def test_a_forced_tool_call_on_vllm_is_held_to_its_schema(gateway: GatewayHandle
         Pet.model_validate_json(call.function.arguments)  # type: ignore[union-attr]
         [seg] = gateway.session(s["id"])["segments"]
         assert seg["turn_sampling"][0]["grammar"] is not None
+
+
+async def test_a_keyed_formats_forced_call_is_held_on_vllm(
+    engine: VLLMEngine, tiny_model: Path
+) -> None:
+    """GLM-4.5's format writes a string value as bare text up to `</arg_value>`: its grammar's lazy
+    lexeme and its JSON value reach vLLM's llguidance as they are, and the reply is a call whose
+    arguments validate (a bare-text string within its maxLength, the integer in range)."""
+    from gateway.core.tool_parsers import Glm45Parser
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 20},
+        },
+        "required": ["name", "age"],
+    }
+    tools = [{"type": "function", "function": {"name": "add_pet", "parameters": schema}}]
+    tok = load_tokenizer(tiny_model)
+    marks = {t.content: i for i, t in tok.added_tokens_decoder.items()}
+    parser = Glm45Parser()
+    prompt = tuple(tok.encode("Add a pet." + parser.prefill("add_pet")))
+    for seed in range(2):
+        sampling = SamplingParams(
+            temperature=1.0,
+            seed=seed,
+            max_new_tokens=300,  # the tiny tokenizer writes the markup a character a token
+            grammar=parser.grammar(tools, "add_pet", False, marks),
+        )
+        r = await collect(engine, GenerateRequest(prompt_ids=prompt, sampling=sampling))
+        text = parser.prefill("add_pet") + tok.decode(list(r.token_ids), skip_special_tokens=True)
+        assert r.finish_reason == FinishReason.STOP, text
+        _, [call] = parser.parse(text, tools)
+        args = json.loads(call.arguments)
+        assert isinstance(args["name"], str), text
+        assert len(args["name"]) <= 6, text
+        assert 0 <= args["age"] <= 20, text
