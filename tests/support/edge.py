@@ -64,13 +64,20 @@ class Gw:
 
 @asynccontextmanager
 async def edge_app(
-    engine: LocalEngine, tiny_model: Path, tmp_path: Path, config: dict[str, Any] | None = None
+    engine: LocalEngine,
+    tiny_model: Path,
+    tmp_path: Path,
+    config: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> AsyncIterator[Gw]:
-    """The app on `engine` with a 64 KiB body limit, one run (with `config`) and one session."""
+    """The app on `engine` with a 64 KiB body limit, one run (with `config`) and one session.
+    `tiny_model`: the directory whose tokenizer and chat template the app renders with (the
+    engine's vocabulary); `settings`: more `GatewaySettings` (a `tool_parser`)."""
     store = await Store.connect(f"sqlite:///{tmp_path / 'bad.db'}")
     components = tiny_components(engine, store, tiny_model)
     app = create_app(
-        GatewaySettings(admin_token="admin-token", max_body_bytes=BODY_LIMIT), components
+        GatewaySettings(admin_token="admin-token", max_body_bytes=BODY_LIMIT, **settings),
+        components,
     )
     try:
         async with app.router.lifespan_context(app):

@@ -1,0 +1,148 @@
+"""Each model family's tool calls round-trip through chat completions, the Responses API and
+Messages, on the family's own chat template (`tests/support/templates/`, as its model card
+publishes it) and its parser: a forced call comes back as the protocol's tool call with arguments
+valid against the tool's schema (held by the family's grammar, so even the random tiny model
+writes one), and the history sent back with the tool's result continues the same segment token
+for token: the gateway renders only what the template writes after the segment's last turn, so
+this holds even where the template writes earlier calls otherwise than the model made them
+(Granite 3.3's drops them, Phi-4-mini's renders Python reprs). In-process on the real local
+engine (the tiny model's vocabulary under each family's template) and a real SQLite store."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from engines.local import LocalEngine
+from tests.support.admin_client import ADMIN, engine  # noqa: F401
+from tests.support.edge import Gw, edge_app
+from tests.support.paths import REPO_ROOT
+
+TEMPLATES = REPO_ROOT / "tests" / "support" / "templates"
+FAMILIES = ["hermes", "glm45", "minimax_m2", "deepseek_v31", "granite", "phi4_mini_json"]
+"""Every parser whose forced calls a grammar holds, under its family's template (hermes under the
+tiny model's own, Qwen2.5's format)."""
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+ASK = {"role": "user", "content": "Weather in Paris?"}
+ROOM = 200
+"""New tokens for a call: the tiny tokenizer writes markup about a character a token (and the
+tools' declaration takes most of its 2,048-token context)."""
+
+
+def family_dir(tiny_model: Path, family: str, tmp_path: Path) -> Path:
+    """The tiny model's tokenizer under the family's chat template."""
+    if family == "hermes":
+        return tiny_model
+    out = tmp_path / family
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, out / name)
+    shutil.copy(TEMPLATES / f"{family}.jinja", out / "chat_template.jinja")
+    return out
+
+
+@pytest.fixture(params=FAMILIES)
+async def g(
+    request: pytest.FixtureRequest,
+    engine: LocalEngine,  # noqa: F811
+    tiny_model: Path,
+    tmp_path: Path,
+) -> Any:
+    model_dir = family_dir(tiny_model, request.param, tmp_path)
+    async with edge_app(engine, model_dir, tmp_path, tool_parser=request.param) as g:
+        yield g
+
+
+async def post(g: Gw, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = await g.http.post(f"/sessions/{g.s['id']}/v1/{route}", json=body, headers=g.key)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def valid(arguments: Any) -> None:
+    jsonschema.validate(json.loads(arguments) if isinstance(arguments, str) else arguments, SCHEMA)
+
+
+async def chat(g: Gw) -> list[str]:
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    first = await post(
+        g,
+        "chat/completions",
+        {"messages": [ASK], "tools": CHAT_TOOLS, "tool_choice": forced, "max_tokens": ROOM},
+    )
+    message = first["choices"][0]["message"]
+    assert len(message.get("tool_calls") or []) == 1, first
+    [call] = message["tool_calls"]
+    valid(call["function"]["arguments"])
+    result = {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}
+    history = [ASK, {k: v for k, v in message.items() if v is not None}, result]
+    second = await post(
+        g, "chat/completions", {"messages": history, "tools": CHAT_TOOLS, "max_tokens": 2}
+    )
+    return [first["id"], second["id"]]
+
+
+async def responses(g: Gw) -> list[str]:
+    tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
+    forced = {"type": "function", "name": "get_weather"}
+    first = await post(
+        g,
+        "responses",
+        {"input": [ASK], "tools": tools, "tool_choice": forced, "max_output_tokens": ROOM},
+    )
+    calls = [item for item in first["output"] if item["type"] == "function_call"]
+    assert len(calls) == 1, first
+    [call] = calls
+    valid(call["arguments"])
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    history = [ASK, *first["output"], result]
+    second = await post(
+        g, "responses", {"input": history, "tools": tools, "max_output_tokens": 2, "store": False}
+    )
+    return [first["id"], second["id"]]
+
+
+async def messages(g: Gw) -> list[str]:
+    tools = [{"name": "get_weather", "input_schema": SCHEMA}]
+    forced = {"type": "tool", "name": "get_weather"}
+    first = await post(
+        g,
+        "messages",
+        {"messages": [ASK], "tools": tools, "tool_choice": forced, "max_tokens": ROOM},
+    )
+    uses = [block for block in first["content"] if block["type"] == "tool_use"]
+    assert len(uses) == 1, first
+    [use] = uses
+    valid(use["input"])
+    result = {"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"}
+    history = [
+        ASK,
+        {"role": "assistant", "content": first["content"]},
+        {"role": "user", "content": [result]},
+    ]
+    second = await post(g, "messages", {"messages": history, "tools": tools, "max_tokens": 2})
+    return [first["id"], second["id"]]
+
+
+async def test_a_forced_call_round_trips_in_every_protocol(g: Gw) -> None:
+    turns = [await chat(g), await responses(g), await messages(g)]
+    r = await g.http.get(f"/sessions/{g.s['id']}", headers=ADMIN)
+    detail = r.json()
+    # each conversation one segment, its second turn continued; the later two opened one each
+    assert [seg["completion_ids"] for seg in detail["segments"]] == turns
+    assert detail["prefix_breaks"] == 2
