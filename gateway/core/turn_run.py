@@ -157,8 +157,8 @@ class Turn:
             tools = group.prompt.tools if isinstance(group.prompt, ChatPrompt) else []
             content, parsed = self.context.parsers.tools.parse(split.answer, tools)
             ids = self._call_ids.setdefault(run.index, [])
-            while len(ids) < len(parsed):
-                ids.append(f"call_{uuid.uuid4().hex[:24]}")
+            while len(ids) < len(parsed):  # the model's own id where its format writes one
+                ids.append(parsed[len(ids)].id or f"call_{uuid.uuid4().hex[:24]}")
             calls = tuple(
                 ToolCall(i, c.name, c.arguments) for i, c in zip(ids, parsed, strict=False)
             )

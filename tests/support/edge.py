@@ -32,6 +32,8 @@ class Gw:
         """The model directory whose tokenizer (and chat template) the app renders with."""
         self.run: dict[str, Any] = {}
         self.s: dict[str, Any] = {}
+        self.family = ""
+        """The model family whose template and parser the app uses, where a test sets one."""
 
     @property
     def key(self) -> dict[str, str]:

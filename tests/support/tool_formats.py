@@ -12,6 +12,7 @@ from gateway.core.tool_parsers import (
     Glm45Parser,
     GraniteParser,
     HermesParser,
+    KimiK2Parser,
     Llama3JsonParser,
     MinimaxM2Parser,
     MistralParser,
@@ -99,6 +100,20 @@ def deepseek_v31(calls: list[Call]) -> str:
     )
 
 
+def kimi_k2(calls: list[Call]) -> str:
+    """As Kimi-K2 writes calls: ids `functions.NAME:IDX`, IDX counting from 0."""
+    from gateway.core.tool_parsers import kimi_k2 as k
+
+    return (
+        k.SECTION_BEGIN
+        + "".join(
+            f"{k.CALL_BEGIN}functions.{n}:{i}{k.ARGUMENTS}{json.dumps(a)}{k.CALL_END}"
+            for i, (n, a) in enumerate(calls)
+        )
+        + k.SECTION_END
+    )
+
+
 def minimax_m2(calls: list[Call]) -> str:
     """As MiniMax-M2's template writes calls: one block, bare strings, JSON otherwise."""
     return (
@@ -124,5 +139,6 @@ FORMATS: dict[str, tuple[ToolCallParser, Callable[[list[Call]], str]]] = {
     "granite": (GraniteParser(), granite),
     "phi4_mini_json": (Phi4MiniJsonParser(), phi4_mini),
     "deepseek_v31": (DeepseekV31Parser(), deepseek_v31),
+    "kimi_k2": (KimiK2Parser(), kimi_k2),
 }
 """Formats whose names and keys are free text; `pythonic` (Llama 4) takes Python identifiers."""

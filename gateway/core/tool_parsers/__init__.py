@@ -19,6 +19,10 @@ Each model family writes tool calls in its own markup; a parser turns a finished
 - `deepseek_v31` (DeepSeek-V3.1): `<|tool_calls_begin|>`, then per call
   `<|tool_call_begin|>NAME<|tool_sep|>{...}<|tool_call_end|>`, then `<|tool_calls_end|>` (each `|`
   written as U+FF5C and `_` as U+2581).
+- `kimi_k2` (Kimi-K2): `<|tool_calls_section_begin|>`, then per call
+  `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>`, then
+  `<|tool_calls_section_end|>`; `functions.NAME:IDX` is the call's id, returned as the model wrote
+  it (its template writes ids back and heads results with them).
 - `minimax_m2`: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="K">V</parameter>\n`
   ... `</invoke>\n</minimax:tool_call>`, one block for every call; values as GLM's.
 
@@ -37,7 +41,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.core.tool_parsers import deepseek_v31
+from gateway.core.tool_parsers import deepseek_v31, kimi_k2
 from gateway.core.tool_parsers.base import (
     NoToolParser,
     Parsed,
@@ -48,6 +52,7 @@ from gateway.core.tool_parsers.deepseek_v31 import DeepseekV31Parser
 from gateway.core.tool_parsers.glm45 import Glm45Parser
 from gateway.core.tool_parsers.hermes import HermesParser
 from gateway.core.tool_parsers.json_list import GraniteParser, Phi4MiniJsonParser
+from gateway.core.tool_parsers.kimi_k2 import KimiK2Parser
 from gateway.core.tool_parsers.llama3_json import Llama3JsonParser
 from gateway.core.tool_parsers.llama4_pythonic import Llama4PythonicParser
 from gateway.core.tool_parsers.minimax_m2 import MinimaxM2Parser
@@ -60,6 +65,7 @@ __all__ = [
     "Glm45Parser",
     "GraniteParser",
     "HermesParser",
+    "KimiK2Parser",
     "Llama3JsonParser",
     "Llama4PythonicParser",
     "MinimaxM2Parser",
@@ -85,6 +91,7 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "phi4_mini_json": Phi4MiniJsonParser,
     "llama4_pythonic": Llama4PythonicParser,
     "deepseek_v31": DeepseekV31Parser,
+    "kimi_k2": KimiK2Parser,
 }
 
 # Llama 3.1/3.2's instruction: `{"name": function name, "parameters": dictionary of ...}`.
@@ -95,7 +102,7 @@ def detect_tool_parser(chat_template: str) -> str | None:
     """The parser a chat template's own tool-call format calls for: minimax_m2 when it writes
     `<minimax:tool_call>`, granite for its `available_tools` role, phi4_mini_json for `functools[`,
     llama4_pythonic for its `[func_name1(` instruction, deepseek_v31 for its calls marker
-    without V3's fenced JSON,
+    without V3's fenced JSON, kimi_k2 for its calls section,
     qwen3_coder for `<function=`, glm45 for `<arg_key>`, hermes for
     `<tool_call>`, mistral for `[TOOL_CALLS]`, llama3_json for `<|python_tag|>` or a Llama-3 style
     `"parameters"` JSON instruction; None when nothing matches (never a guess: a format read by the
@@ -111,6 +118,8 @@ def detect_tool_parser(chat_template: str) -> str | None:
     if deepseek_v31.CALLS_BEGIN in chat_template:
         # V3.1's bare `NAME<sep>{...}`; V3-0324's fenced JSON is another format
         return None if "```json" in chat_template else "deepseek_v31"
+    if kimi_k2.SECTION_BEGIN in chat_template:
+        return "kimi_k2"
     if "<function=" in chat_template:
         return "qwen3_coder"
     if "<arg_key>" in chat_template:

@@ -16,6 +16,9 @@ class ParsedToolCall:
     name: str
     arguments: str
     """The arguments as a JSON string, as OpenAI returns them."""
+    id: str | None = None
+    """The call's id where the format writes one (Kimi-K2's `functions.NAME:IDX`), which the
+    client then gets; None: the gateway makes one up (`call_...`)."""
 
 
 Parsed = tuple[str | None, list[ParsedToolCall]]
@@ -100,6 +103,15 @@ def json_call(obj: Any) -> ParsedToolCall | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return ParsedToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+
+
+def json_object(raw: str) -> dict[str, Any] | None:
+    """Arguments written as a JSON object, parsed; None when they are not one."""
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def is_name(name: str) -> bool:

@@ -19,6 +19,7 @@ from gateway.core.tool_parsers.base import (
     ParsedToolCall,
     first_marker,
     is_name,
+    json_object,
     with_calls,
 )
 
@@ -53,11 +54,8 @@ class DeepseekV31Parser:
             return text, []
         calls = []
         for name, raw in _CALL_RE.findall(section):
-            try:
-                args = json.loads(raw)
-            except json.JSONDecodeError:
-                return text, []
-            if not is_name(name) or not isinstance(args, dict):
+            args = json_object(raw)
+            if args is None or not is_name(name):
                 return text, []
             calls.append(ParsedToolCall(name, json.dumps(args)))
         return with_calls(text[:start], calls) if calls else (text, [])

@@ -94,7 +94,11 @@ class MessagesRequest(CountTokensRequest):
 
 
 def tool_use_id(call_id: str) -> str:
-    return TOOLU_PREFIX + call_id.removeprefix(CALL_PREFIX)
+    """A tool call's id as Anthropic's tool-use id: the gateway's `call_X` as `toolu_X`; an id
+    the model wrote itself (Kimi-K2's `functions.NAME:IDX`) as it is, so that it comes back."""
+    if call_id.startswith(CALL_PREFIX):
+        return TOOLU_PREFIX + call_id.removeprefix(CALL_PREFIX)
+    return call_id
 
 
 def call_id_of(use_id: str) -> str:

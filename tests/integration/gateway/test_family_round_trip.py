@@ -24,7 +24,15 @@ from tests.support.edge import Gw, edge_app
 from tests.support.paths import REPO_ROOT
 
 TEMPLATES = REPO_ROOT / "tests" / "support" / "templates"
-FAMILIES = ["hermes", "glm45", "minimax_m2", "deepseek_v31", "granite", "phi4_mini_json"]
+FAMILIES = [
+    "hermes",
+    "glm45",
+    "minimax_m2",
+    "deepseek_v31",
+    "granite",
+    "phi4_mini_json",
+    "kimi_k2",
+]
 """Every parser whose forced calls a grammar holds, under its family's template (hermes under the
 tiny model's own, Qwen2.5's format)."""
 SCHEMA = {
@@ -64,6 +72,7 @@ async def g(
 ) -> Any:
     model_dir = family_dir(tiny_model, request.param, tmp_path)
     async with edge_app(engine, model_dir, tmp_path, tool_parser=request.param) as g:
+        g.family = request.param
         yield g
 
 
@@ -78,6 +87,13 @@ def valid(arguments: Any) -> None:
     jsonschema.validate(json.loads(arguments) if isinstance(arguments, str) else arguments, SCHEMA)
 
 
+def own_id(g: Gw, call_id: str) -> None:
+    """Kimi-K2 writes its calls' ids (`functions.NAME:IDX`), which the client gets as they are
+    (and sends back with the result, which its template heads with the id)."""
+    if g.family == "kimi_k2":
+        assert call_id.startswith("functions.get_weather:"), call_id
+
+
 async def chat(g: Gw) -> list[str]:
     forced = {"type": "function", "function": {"name": "get_weather"}}
     first = await post(
@@ -89,6 +105,7 @@ async def chat(g: Gw) -> list[str]:
     assert len(message.get("tool_calls") or []) == 1, first
     [call] = message["tool_calls"]
     valid(call["function"]["arguments"])
+    own_id(g, call["id"])
     result = {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}
     history = [ASK, {k: v for k, v in message.items() if v is not None}, result]
     second = await post(
@@ -109,6 +126,7 @@ async def responses(g: Gw) -> list[str]:
     assert len(calls) == 1, first
     [call] = calls
     valid(call["arguments"])
+    own_id(g, call["call_id"])
     result = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
     history = [ASK, *first["output"], result]
     second = await post(
@@ -129,6 +147,7 @@ async def messages(g: Gw) -> list[str]:
     assert len(uses) == 1, first
     [use] = uses
     valid(use["input"])
+    own_id(g, use["id"])
     result = {"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"}
     history = [
         ASK,

@@ -114,9 +114,8 @@ def test_a_familys_own_template_is_detected_and_its_calls_read_back(family: str)
         ("minimax_m2", "minimax_m2"),
         ("granite", "granite"),
         ("phi4_mini_json", "phi4_mini_json"),
-        # families with no parser yet: refused by name, never read by a guess
         ("deepseek_v31", "deepseek_v31"),
-        ("kimi_k2", None),
+        ("kimi_k2", "kimi_k2"),
         ("llama4_pythonic", "llama4_pythonic"),
     ],
 )
@@ -192,3 +191,29 @@ def test_deepseek_v31s_template_takes_arguments_as_text_and_its_calls_read_back(
     content, parsed = TOOL_PARSERS["deepseek_v31"]().parse(reply)
     assert content == "I'll look up both cities."
     assert calls_of((content, parsed)) == calls
+
+
+def test_kimis_own_template_writes_the_ids_the_parser_returns() -> None:
+    """Kimi-K2's template writes each call with its id and heads each result with it: the calls
+    it renders read back with those ids (what the client gets, and sends back), and a result
+    names the call as the model wrote it."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = (REAL_TEMPLATES / "kimi_k2.jinja").read_text()
+    calls = [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
+    ids = ["functions.get_weather:0", "functions.get_time:1"]
+    assistant = assistant_calling(calls, "Let me check.")
+    for call, call_id in zip(assistant["tool_calls"], ids, strict=True):
+        call["id"] = call_id
+    result = {"role": "tool", "tool_call_id": ids[0], "content": "sunny"}
+    [whole], _ = render_jinja_template(
+        conversations=[[{"role": "user", "content": "Weather?"}, assistant, result]],
+        chat_template=template,
+    )
+    text = str(whole)
+    reply = text.split("<|im_assistant|>assistant<|im_middle|>", 1)[1].split("<|im_end|>", 1)[0]
+    content, parsed = TOOL_PARSERS["kimi_k2"]().parse(reply)
+    assert content == "Let me check."
+    assert calls_of((content, parsed)) == calls
+    assert [c.id for c in parsed] == ids
+    assert f"<|im_middle|>## Return of {ids[0]}\n" in text
