@@ -279,6 +279,52 @@ async def test_a_batch_with_nothing_trainable_still_writes_its_row(
         await store.close()
 
 
+@pytest.mark.slow
+async def test_side_requests_are_never_trained_by_the_trainer(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The real training loop on sessions holding side requests' turns (a title, a quota check:
+    `store.run_config`): a session with a turn of its own is trained on that turn alone, the
+    step counts the side turns it left out; a session of side turns only has nothing to train
+    (untrainable), however its reward reads."""
+    store = await Store.connect(f"sqlite:///{tmp_path}/store.db")
+    try:
+        run = await store.create_run("t", {})
+        made = await store.create_sessions(run.id, 2, group_id="g")
+        own, side_only = (new.info.id for new in made)
+        title = dataclasses.replace(record(own, f"{own}-title", segment=1), side="title")
+        await store.record_completions([record(own, f"{own}-c0"), title])
+        quota = dataclasses.replace(record(side_only, f"{side_only}-q"), side="quota")
+        await store.record_completions([quota])
+        for k, sid in enumerate((own, side_only)):
+            await store.add_reward(sid, 1.0 + k)
+            await store.end_session(sid)
+        [t_own, t_side] = sorted(
+            await store.list_trainable(run.id), key=lambda t: t.session.id != own
+        )
+        assert [s.completion_ids for s in t_own.segments] == [[f"{own}-c0"]]
+        assert (t_own.side_turns, t_side.segments, t_side.side_turns) == (1, [], 1)
+        cfg = config(run.id, tmp_path)
+        backend = build_backend(cfg.backend_config(str(tiny_model)))
+        trainer = Trainer(cfg, store, backend, None, report=lambda _: None)
+        await trainer.resume()
+
+        async def settled() -> bool:
+            return None not in (await outcomes(store, [own, side_only])).values()
+
+        await train_until(trainer, settled)
+        assert await outcomes(store, [own, side_only]) == {
+            own: "trained",
+            side_only: "untrainable",
+        }
+        (row,) = metrics(tmp_path)
+        assert row["side_turns"] == 2
+        assert row["outcome_untrainable"] == 1
+        trainer.close()
+    finally:
+        await store.close()
+
+
 # -- over HTTP: the admin API, /metrics, and a late reward ---------------------------------------
 
 
