@@ -205,6 +205,7 @@ class Turn:
         if choice.tool_calls:
             reply["tool_calls"] = [
                 {
+                    "id": c.id,
                     "type": "function",
                     "function": {"name": c.name, "arguments": parse_arguments(c.arguments)},
                 }

@@ -1,9 +1,15 @@
 """mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v3), or
-`[TOOL_CALLS]NAME[ARGS]{...}` repeated (v11 and later)."""
+`[TOOL_CALLS]NAME[ARGS]{...}` repeated (v11 and later). Mistral's templates write each call's id
+back into the history and refuse any id that is not nine letters and digits, so each call read
+gets such an id (`ParsedToolCall.id`, as vLLM's `MistralToolCall` makes them), which the client
+gets and sends back."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import secrets
+import string
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +21,13 @@ from gateway.core.tool_parsers.base import (
     with_calls,
 )
 from gateway.core.tool_parsers.json_list import JsonListParser
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def mistral_id() -> str:
+    """A call id as Mistral's templates take them: nine letters and digits."""
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
 
 
 class MistralParser(JsonListParser):
@@ -34,8 +47,9 @@ class MistralParser(JsonListParser):
             return text, []
         rest = text[start + len(self.opener) :].lstrip()
         if rest.startswith("["):
-            return super().parse(text, tools)
-        calls = self._named(rest)
+            content, listed = super().parse(text, tools)
+            return content, [dataclasses.replace(c, id=mistral_id()) for c in listed]
+        calls = [dataclasses.replace(c, id=mistral_id()) for c in self._named(rest)]
         return with_calls(text[:start], calls) if calls else (text, [])
 
     @staticmethod

@@ -199,7 +199,13 @@ def neutral_messages(body: CountTokensRequest, media: Media = "refuse") -> list[
                     raise BadRequest(f"{where}: a tool_use needs an id and a name", param=where)
                 if not isinstance(args, dict):
                     raise BadRequest(f"{where}.input must be an object", param=f"{where}.input")
-                calls.append({"type": "function", "function": {"name": name, "arguments": args}})
+                calls.append(
+                    {
+                        "id": call_id_of(use_id),
+                        "type": "function",
+                        "function": {"name": name, "arguments": args},
+                    }
+                )
                 uses.add(use_id)
             elif kind == "tool_result" and m.role == "user":
                 use_id = b.get("tool_use_id")

@@ -66,6 +66,7 @@ def normalize_messages(messages: list[ChatMessage], media: Media = "refuse") -> 
         if m.tool_calls:
             msg["tool_calls"] = [
                 {
+                    **({"id": c.id} if c.id is not None else {}),
                     "type": "function",
                     "function": {
                         "name": c.function.name,

@@ -220,6 +220,7 @@ def input_messages(
             if not isinstance(call_id, str) or not isinstance(name, str):
                 raise BadRequest(f"{at}: a function_call needs call_id and name", param=at)
             call = {
+                "id": call_id,
                 "type": "function",
                 "function": {
                     "name": name,

@@ -1,12 +1,14 @@
 """Each model family's tool calls round-trip through chat completions, the Responses API and
 Messages, on the family's own chat template (`tests/support/templates/`, as its model card
-publishes it) and its parser: a forced call comes back as the protocol's tool call with arguments
-valid against the tool's schema (held by the family's grammar, so even the random tiny model
-writes one), and the history sent back with the tool's result continues the same segment token
-for token: the gateway renders only what the template writes after the segment's last turn, so
-this holds even where the template writes earlier calls otherwise than the model made them
-(Granite 3.3's drops them, Phi-4-mini's renders Python reprs). In-process on the real local
-engine (the tiny model's vocabulary under each family's template) and a real SQLite store."""
+publishes it; Mistral's a template of the tests' own with its published id rule) and its parser,
+with the family's own call ids where its template writes them back (Kimi-K2, Mistral): a forced
+call comes back as the protocol's tool call with arguments valid against the tool's schema (held
+by the family's grammar, so even the random tiny model writes one), and the history sent back with
+the tool's result continues the same segment token for token: the gateway renders only what the
+template writes after the segment's last turn, so this holds even where the template writes
+earlier calls otherwise than the model made them (Granite 3.3's drops them, Phi-4-mini's renders
+Python reprs). In-process on the real local engine (the tiny model's vocabulary under each
+family's template) and a real SQLite store."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ FAMILIES = [
     "granite",
     "phi4_mini_json",
     "kimi_k2",
+    "mistral",  # a Mistral-style template of the tests' own, refusing ids not 9 characters long
 ]
 """Every parser whose forced calls a grammar holds, under its family's template (hermes under the
 tiny model's own, Qwen2.5's format)."""
@@ -88,10 +91,14 @@ def valid(arguments: Any) -> None:
 
 
 def own_id(g: Gw, call_id: str) -> None:
-    """Kimi-K2 writes its calls' ids (`functions.NAME:IDX`), which the client gets as they are
-    (and sends back with the result, which its template heads with the id)."""
+    """The family's own call ids, which the client gets as they are and sends back with the
+    result: Kimi-K2's as the model wrote them (`functions.NAME:IDX`), Mistral's nine letters and
+    digits (its templates refuse any other)."""
     if g.family == "kimi_k2":
         assert call_id.startswith("functions.get_weather:"), call_id
+    if g.family == "mistral":
+        assert len(call_id) == 9, call_id
+        assert call_id.isalnum(), call_id
 
 
 async def chat(g: Gw) -> list[str]:
