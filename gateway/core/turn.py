@@ -120,6 +120,8 @@ class TurnCore:
         """Special tokens that are parsers' markers: decoded as text, so a parser sees them."""
         self._marks = {t.content: i for i, t in added.items()}
         """The added tokens, as a forced call's grammar writes its markup (`tool_grammars`)."""
+        self._grammar = functools.lru_cache(maxsize=256)(self._held_grammar)
+        """`_held_grammar`, cached (a tool schema that fails raises each time, never cached)."""
 
     def prefill(self, prompt: ChatPrompt) -> str:
         """The text forced at the start of the reply: the client's own start, then what a
@@ -159,9 +161,15 @@ class TurnCore:
         if choice.mode not in ("required", "named"):
             return sp
         name = choice.name if choice.mode == "named" else None
-        text = self.parsers.tools.grammar(prompt.tools, name, choice.parallel, self._marks)
+        text = self._grammar(json.dumps(prompt.tools, sort_keys=True), name, choice.parallel)
+        return sp if text is None else replace(sp, grammar=text, json_schema=None)
+
+    def _held_grammar(self, tools: str, name: str | None, parallel: bool) -> str | None:
+        """The forced call's grammar for `tools` (their JSON text, the cache's key), checked to
+        compile; an agent sends the same tools every turn, so it is built once per core."""
+        text = self.parsers.tools.grammar(json.loads(tools), name, parallel, self._marks)
         if text is None:
-            return sp
+            return None
         try:
             lark_grammar(text)
         except GrammarError as exc:
@@ -169,7 +177,7 @@ class TurnCore:
                 f"tool_choice forces a call, but its arguments cannot be held to the tools' "
                 f"parameters: {exc}"
             ) from None
-        return replace(sp, grammar=text, json_schema=None)
+        return text
 
     async def start(
         self,

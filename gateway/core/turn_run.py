@@ -18,6 +18,7 @@ from gateway.core.reasoning_parsers import Split
 from gateway.core.recorder import ChoiceOutcome
 from gateway.core.sampling import record_of
 from gateway.core.segments import chat_transcript
+from gateway.core.tool_parsers.base import new_call_id
 from gateway.core.turn_types import (
     COMPLETION_TRANSCRIPT,
     RECORD_KEY,
@@ -157,8 +158,9 @@ class Turn:
             tools = group.prompt.tools if isinstance(group.prompt, ChatPrompt) else []
             content, parsed = self.context.parsers.tools.parse(split.answer, tools)
             ids = self._call_ids.setdefault(run.index, [])
+            style = self.context.parsers.tools.call_ids
             while len(ids) < len(parsed):  # the model's own id where its format writes one
-                ids.append(parsed[len(ids)].id or f"call_{uuid.uuid4().hex[:24]}")
+                ids.append(parsed[len(ids)].id or new_call_id(style))
             calls = tuple(
                 ToolCall(i, c.name, c.arguments) for i, c in zip(ids, parsed, strict=False)
             )

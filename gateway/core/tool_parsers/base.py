@@ -4,9 +4,12 @@ that read names and JSON calls (`gateway.core.tool_parsers` says how the formats
 from __future__ import annotations
 
 import json
+import secrets
+import string
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from gateway.core.tool_grammars import Marks, is_text, resolved
 
@@ -18,7 +21,21 @@ class ParsedToolCall:
     """The arguments as a JSON string, as OpenAI returns them."""
     id: str | None = None
     """The call's id where the format writes one (Kimi-K2's `functions.NAME:IDX`), which the
-    client then gets; None: the gateway makes one up (`call_...`)."""
+    client then gets; None: the gateway makes one up (`new_call_id`, in the parser's
+    `call_ids` style)."""
+
+
+CallIds = Literal["call", "alnum9"]
+"""How the gateway makes a call's id when the model wrote none: `call_` and 24 hex digits
+(OpenAI's shape), or nine letters and digits (Mistral's templates refuse any other)."""
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_call_id(style: CallIds) -> str:
+    if style == "alnum9":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 Parsed = tuple[str | None, list[ParsedToolCall]]
@@ -35,6 +52,8 @@ class ToolCallParser(Protocol):
     markup: tuple[str, ...]
     """Every tag of the format: a special token that is one of them is decoded as text, so the
     parser sees it (a tokenizer may mark `[ARGS]` or `<arg_key>` special)."""
+    call_ids: CallIds
+    """How the ids of its calls are made where the model writes none (`new_call_id`)."""
 
     def parse(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> Parsed:
         """(content outside the calls, stripped, None when empty; the calls). A malformed call
@@ -130,6 +149,7 @@ class NoToolParser:
     `tool_choice: none`, nothing is parsed and replies are text."""
 
     name = "unknown"
+    call_ids: CallIds = "call"
     markers: tuple[str, ...] = ()
     call_end: str | None = None
     markup: tuple[str, ...] = ()

@@ -15,6 +15,7 @@ from typing import Any
 from gateway.core import tool_grammars as tg
 from gateway.core.tool_grammars import Marks, literal
 from gateway.core.tool_parsers.base import (
+    CallIds,
     Parsed,
     ParsedToolCall,
     first_marker,
@@ -41,6 +42,7 @@ class DeepseekV31Parser:
     cut before its end marker (max_tokens, a stop) is still read."""
 
     name = "deepseek_v31"
+    call_ids: CallIds = "call"
     markers: tuple[str, ...] = (CALLS_BEGIN,)
     call_end: str | None = None  # the section ends after the last call
     markup: tuple[str, ...] = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)

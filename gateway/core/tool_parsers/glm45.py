@@ -14,6 +14,7 @@ from typing import Any
 from gateway.core import tool_grammars as tg
 from gateway.core.tool_grammars import KeyedStyle, Marks, literal
 from gateway.core.tool_parsers.base import (
+    CallIds,
     Parsed,
     ParsedToolCall,
     first_marker,
@@ -37,6 +38,7 @@ class Glm45Parser:
     the reply text. A last call cut before its closing tags (max_tokens, a stop) is still read."""
 
     name = "glm45"
+    call_ids: CallIds = "call"
     markers: tuple[str, ...] = ("<tool_call>",)
     call_end: str | None = "</tool_call>"
     markup: tuple[str, ...] = (

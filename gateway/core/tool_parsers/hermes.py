@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway.core import tool_grammars as tg
 from gateway.core.tool_grammars import Marks, literal
-from gateway.core.tool_parsers.base import Parsed, first_marker, json_call, with_calls
+from gateway.core.tool_parsers.base import CallIds, Parsed, first_marker, json_call, with_calls
 
 _HERMES_BLOCK_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
@@ -19,6 +19,7 @@ class HermesParser:
     dropped, and a last block may lack its closing tag (a reply cut by max_tokens or a stop)."""
 
     name = "hermes"
+    call_ids: CallIds = "call"
     markers: tuple[str, ...] = ("<tool_call>",)
     call_end: str | None = "</tool_call>"
     markup: tuple[str, ...] = ("<tool_call>", "</tool_call>")

@@ -12,6 +12,7 @@ from gateway.core import tool_grammars as tg
 from gateway.core.tool_grammars import Marks, literal
 from gateway.core.tool_parsers.base import (
     DECODER,
+    CallIds,
     Parsed,
     ParsedToolCall,
     first_marker,
@@ -42,6 +43,7 @@ class JsonListParser:
     the reply is text). A subclass names the format."""
 
     name = "json_list"
+    call_ids: CallIds = "call"
     opener = ""
     markers: tuple[str, ...] = ()
     call_end: str | None = None  # one list holds every call

@@ -17,6 +17,7 @@ from typing import Any
 from gateway.core import tool_grammars as tg
 from gateway.core.tool_grammars import Marks, literal
 from gateway.core.tool_parsers.base import (
+    CallIds,
     Parsed,
     ParsedToolCall,
     first_marker,
@@ -52,6 +53,7 @@ class KimiK2Parser:
     read."""
 
     name = "kimi_k2"
+    call_ids: CallIds = "call"
     markers: tuple[str, ...] = (SECTION_BEGIN, SINGULAR_BEGIN)
     call_end: str | None = CALL_END
     markup: tuple[str, ...] = (

@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway.core import tool_grammars as tg
 from gateway.core.tool_grammars import Marks, literal
-from gateway.core.tool_parsers.base import DECODER, Parsed, first_marker, json_call
+from gateway.core.tool_parsers.base import DECODER, CallIds, Parsed, first_marker, json_call
 
 
 class Llama3JsonParser:
@@ -19,6 +19,7 @@ class Llama3JsonParser:
     `{ "name"` is no call, as no marker starts it."""
 
     name = "llama3_json"
+    call_ids: CallIds = "call"
     markers: tuple[str, ...] = ("<|python_tag|>", '{"name"')
     call_end: str | None = None  # a call ends where its JSON does: no text marks it
     markup: tuple[str, ...] = ("<|python_tag|>",)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.core.tool_grammars import Marks
-from gateway.core.tool_parsers.base import Parsed, ParsedToolCall, is_name
+from gateway.core.tool_parsers.base import CallIds, Parsed, ParsedToolCall, is_name
 
 
 def _calls(body: str) -> list[ParsedToolCall] | None:
@@ -43,6 +43,7 @@ class Llama4PythonicParser:
     back from its first `[` until the end shows whether it was a call list."""
 
     name = "llama4_pythonic"
+    call_ids: CallIds = "call"
     markers: tuple[str, ...] = ("<|python_start|>", "[")
     call_end: str | None = None  # one list holds every call
     markup: tuple[str, ...] = ("<|python_start|>", "<|python_end|>")

@@ -14,6 +14,7 @@ from typing import Any
 from gateway.core import tool_grammars as tg
 from gateway.core.tool_grammars import KeyedStyle, Marks, literal
 from gateway.core.tool_parsers.base import (
+    CallIds,
     Parsed,
     ParsedToolCall,
     first_marker,
@@ -41,6 +42,7 @@ class MinimaxM2Parser:
     call alone (`call_end`)."""
 
     name = "minimax_m2"
+    call_ids: CallIds = "call"
     markers: tuple[str, ...] = ("<minimax:tool_call>",)
     call_end: str | None = None
     markup: tuple[str, ...] = (

@@ -1,19 +1,17 @@
 """mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v3), or
 `[TOOL_CALLS]NAME[ARGS]{...}` repeated (v11 and later). Mistral's templates write each call's id
-back into the history and refuse any id that is not nine letters and digits, so each call read
-gets such an id (`ParsedToolCall.id`, as vLLM's `MistralToolCall` makes them), which the client
-gets and sends back."""
+back into the history and refuse any id that is not nine letters and digits, so its calls get
+such ids (`call_ids`, as vLLM's `MistralToolCall` makes them), which the client gets and sends
+back."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import secrets
-import string
 from collections.abc import Sequence
 from typing import Any
 
 from gateway.core.tool_parsers.base import (
+    CallIds,
     Parsed,
     ParsedToolCall,
     first_marker,
@@ -22,13 +20,6 @@ from gateway.core.tool_parsers.base import (
 )
 from gateway.core.tool_parsers.json_list import JsonListParser
 
-_ID_ALPHABET = string.ascii_letters + string.digits
-
-
-def mistral_id() -> str:
-    """A call id as Mistral's templates take them: nine letters and digits."""
-    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
-
 
 class MistralParser(JsonListParser):
     """Both forms after the first `[TOOL_CALLS]`: a JSON array (text after it is dropped, as vLLM
@@ -36,6 +27,7 @@ class MistralParser(JsonListParser):
     `[ARGS]` away). A forced call is written in the array form."""
 
     name = "mistral"
+    call_ids: CallIds = "alnum9"
     opener = "[TOOL_CALLS]"
     markers: tuple[str, ...] = ("[TOOL_CALLS]",)
     markup: tuple[str, ...] = ("[TOOL_CALLS]", "[ARGS]")
@@ -47,9 +39,8 @@ class MistralParser(JsonListParser):
             return text, []
         rest = text[start + len(self.opener) :].lstrip()
         if rest.startswith("["):
-            content, listed = super().parse(text, tools)
-            return content, [dataclasses.replace(c, id=mistral_id()) for c in listed]
-        calls = [dataclasses.replace(c, id=mistral_id()) for c in self._named(rest)]
+            return super().parse(text, tools)
+        calls = self._named(rest)
         return with_calls(text[:start], calls) if calls else (text, [])
 
     @staticmethod

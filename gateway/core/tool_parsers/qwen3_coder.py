@@ -13,6 +13,7 @@ from typing import Any
 from gateway.core import tool_grammars as tg
 from gateway.core.tool_grammars import KeyedStyle, Marks, literal
 from gateway.core.tool_parsers.base import (
+    CallIds,
     Parsed,
     ParsedToolCall,
     first_marker,
@@ -38,6 +39,7 @@ class Qwen3CoderParser:
     its closing tags at the very end, is still read."""
 
     name = "qwen3_coder"
+    call_ids: CallIds = "call"
     markers: tuple[str, ...] = ("<tool_call>", "<function=")
     call_end: str | None = "</tool_call>"
     markup: tuple[str, ...] = (
