@@ -132,3 +132,18 @@ async def test_a_side_turn_inside_the_agents_segment_stays_context_only(g: Gw) -
     else:
         assert seg.completion_ids == ids
         assert seg.loss_mask == whole["loss_mask"]
+
+
+async def test_a_bad_rule_is_a_400_naming_it_and_the_run_serves_on(g: Gw) -> None:
+    """A run config with a rule that cannot act (a pattern that is not a regular expression, a
+    rule with no condition) is refused as a whole, naming the key; nothing is made, and the
+    session already running is served as before."""
+    before = (await g.http.get("/runs", headers=ADMIN)).json()
+    for rule in ({"name": "t", "system": "(unclosed"}, {"name": "t"}):
+        r = await g.http.post(
+            "/runs", json={"name": "bad", "config": {"side_requests": [rule]}}, headers=ADMIN
+        )
+        assert r.status_code == 400, r.text
+        assert "side_requests" in r.json()["error"]["message"], r.text
+    assert (await g.http.get("/runs", headers=ADMIN)).json() == before
+    await g.still_serves()
