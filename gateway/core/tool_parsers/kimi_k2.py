@@ -90,7 +90,7 @@ class KimiK2Parser:
         self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
     ) -> str:
         """After the prefill: the call's index, its arguments, the ends (the index is the
-        model's own count of the conversation's calls: any digits)."""
+        model's own count of the conversation's calls: `INDEX`)."""
         arguments, end = literal(ARGUMENTS, marks), literal(CALL_END, marks)
         close = literal(SECTION_END, marks)
         if name is not None:
@@ -106,5 +106,6 @@ class KimiK2Parser:
         return tg.grammar(f"call{more} {close}", rules)
 
 
-INDEX = "index: /[0-9]+/"
-"""The rule of a call's index in its id."""
+INDEX = "index: /0|[1-9][0-9]{0,4}/"
+"""The rule of a call's index in its id: a count, 0 to 99999 (a conversation's calls fit; an
+unbounded run of digits would let a forced call spend its whole budget on its id)."""
