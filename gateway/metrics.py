@@ -144,7 +144,7 @@ class GatewayMetrics:
             self.completions.inc()
             self.tokens.labels(kind="prompt").inc(len(rec.prompt_ids) - rec.prefix_len)
             self.tokens.labels(kind="sampled").inc(len(rec.output_ids))
-            if rec.prefix_break:
+            if rec.prefix_break and rec.side is None:  # a side request is its own talk
                 self.prefix_breaks.inc()
 
     async def refresh(self, engine: Engine, store: Store) -> None:

@@ -255,7 +255,7 @@ def _claim_turns(s: Connection, records: list[CompletionRecord]) -> dict[str, in
     first new turn. The sessions are locked (`FOR UPDATE` on PostgreSQL; SQLite's write
     transaction locks the database) in id order, so concurrent batches lock in one order."""
     per_session = Counter(r.session_id for r in records)
-    breaks = Counter(r.session_id for r in records if r.prefix_break)
+    breaks = Counter(r.session_id for r in records if r.prefix_break and r.side is None)
     session_ids = sorted(per_session)
     found = {row.id: row for row in s.execute(_CLAIM_SESSIONS, {"ids": session_ids})}
     for session_id in session_ids:

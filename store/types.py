@@ -116,7 +116,8 @@ class CompletionRecord:
     opens_segment: bool
     """True when this turn creates the segment (its row is inserted in the same transaction)."""
     prefix_break: bool
-    """True when the request extended none of the session's segments: counted on the session."""
+    """True when the request extended none of the session's segments: counted on the session,
+    unless the turn is a side request's (`side`), which is a talk of its own."""
     transcript: JSON
     """The segment's transcript after this turn ({"messages": [...], "tools": [...]}): what the
     next request must start with to extend the segment."""

@@ -245,12 +245,12 @@ async def generate(
         # any repeat replaces) or nothing: only an unknown one may have left a lost reply.
         result = await create(body, sid, run=run, retry=retry and not known, exchange=exchange)
         assert isinstance(result, dict), "a non-streaming request answers JSON"
-        return result
+        return {"body": result, "headers": dict(exchange.answer_headers)}
 
     once = gw.recorder.attempts.once(key[0], key[1], answer, first=count == 0)
     replay = await _while_connected(request, once)
     if replay is None:
         return Response(status_code=CLIENT_GONE)
-    response, replayed = replay
-    extra = {**(headers or {}), **exchange.answer_headers}
-    return _respond(response, sampled, extra, replayed=replayed)
+    answered, replayed = replay  # a replay answers with the first attempt's headers too
+    extra = {**(headers or {}), **answered["headers"]}
+    return _respond(answered["body"], sampled, extra, replayed=replayed)

@@ -94,6 +94,8 @@ async def test_claude_codes_side_requests_are_recorded_and_never_trained(g: Gw) 
     segments = (await detail(g))["segments"]
     assert [s["completion_ids"] for s in segments] == [[i] for i in ids]
     assert [s["turn_side"] for s in segments] == [[r] for r in rules]
+    # a side request opens a segment of its own, which is no prefix break of the agent's
+    assert (await detail(g))["prefix_breaks"] == (0 if ruled(g) else 4)
 
     t = await trained(g)
     kept = [s.completion_ids for s in t.segments]
@@ -106,6 +108,17 @@ async def test_claude_codes_side_requests_are_recorded_and_never_trained(g: Gw) 
     everything = SessionFilter(include_side=True)
     whole = [d async for d, _ in g.store.export_sessions(g.run["id"], everything)]
     assert [s.completion_ids for s in whole[0].segments] == [[i] for i in ids]
+
+
+async def test_a_replayed_side_request_says_so_again(g: Gw) -> None:
+    """A retry under the same `Idempotency-Key` replays the first answer, its header too."""
+    body = {"max_tokens": 8, "system": TITLE, "messages": [{"role": "user", "content": "x"}]}
+    key = {"Idempotency-Key": "title-1"}
+    first = await post(g, "messages", body, **key)
+    again = await post(g, "messages", body, **key)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.json() == first.json()
+    assert again.headers.get(SIDE) == first.headers.get(SIDE) == ("title" if ruled(g) else None)
 
 
 async def test_a_side_turn_inside_the_agents_segment_stays_context_only(g: Gw) -> None:
