@@ -4,6 +4,8 @@ the range of integers, and JSON text that can be tokenized, stored and written b
 - `BodyLimit`: 413 for a body over the limit, whether its length was declared or it streamed in.
 - `MAX_INT32`: the largest integer a request may carry where it reaches the store's integer
   columns (32-bit on PostgreSQL) or an engine's token ids, lengths and top-k.
+- `TemplateVariables`: a request's `chat_template_kwargs` (vLLM's extension, on every protocol),
+  refused where a variable is one of `apply_chat_template`'s own arguments.
 - `CheckedBody`: the base of JSON request bodies. Python's JSON parser accepts what cannot be
   written back (a lone UTF-16 surrogate such as `"\\ud800"`, which no UTF-8 text holds, and
   `NaN`/`Infinity`); such a body is refused whole, with a 400 naming the field, before any of it
@@ -151,3 +153,42 @@ class CheckedBody(BaseModel):
     def _checked(cls, data: Any) -> Any:
         check_json(data)
         return data
+
+
+RENDERING_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+"""`apply_chat_template`'s own arguments, which a request's template variables may not set."""
+
+
+class TemplateVariables(BaseModel):
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's extension: variables for the model's chat template (`enable_thinking`, DeepSeek's
+    `thinking`, gpt-oss's `reasoning_effort`, ...)."""
+
+    @model_validator(mode="after")
+    def _template_variables_are_the_templates(self) -> Any:
+        taken = sorted(set(self.chat_template_kwargs or ()) & RENDERING_ARGUMENTS)
+        if taken:
+            raise invalid_input(
+                f"chat_template_kwargs.{taken[0]}: the gateway sets this argument of the "
+                "rendering itself; pass only the template's own variables (enable_thinking, ...)",
+                f"chat_template_kwargs.{taken[0]}",
+            )
+        return self

@@ -60,11 +60,13 @@ class GatewaySettings(BaseSettings):
     tool_parser: str = "auto"
     """How tool calls are read out of replies: hermes (Qwen2.5's `<tool_call>` JSON), qwen3_coder,
     llama3_json, mistral, glm45, minimax_m2, granite, phi4_mini_json, llama4_pythonic,
-    deepseek_v31 or kimi_k2 (`gateway.core.tool_parsers`); auto: the chat template's own format
-    (none recognised: a request that asks for tool calls is a 400 naming this setting)."""
+    deepseek_v31, kimi_k2 or openai (gpt-oss's harmony, `gateway.core.tool_parsers`); auto: the
+    chat template's own format (none recognised: a request that asks for tool calls is a 400
+    naming this setting)."""
     reasoning_parser: str = "auto"
-    """How reasoning is split off replies: think (`<think>...</think>`) or none
-    (`gateway.core.reasoning_parsers`); auto: think when the chat template writes `<think>`."""
+    """How reasoning is split off replies: think (`<think>...</think>`), openai_gptoss (gpt-oss's
+    harmony analysis channel) or none (`gateway.core.reasoning_parsers`); auto: openai_gptoss for
+    a harmony template, think when the chat template writes `<think>`."""
 
     @field_validator("tool_parser")
     @classmethod

@@ -141,13 +141,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     serve.add_argument(
         "--tool-parser",
-        help="how tool calls are read from replies: hermes, qwen3_coder, llama3_json, mistral "
-        "(default auto: the chat template's format)",
+        help="how tool calls are read from replies: hermes, qwen3_coder, llama3_json, mistral, "
+        "glm45, minimax_m2, granite, phi4_mini_json, llama4_pythonic, deepseek_v31, kimi_k2, "
+        "openai (default auto: the chat template's format)",
     )
     serve.add_argument(
         "--reasoning-parser",
-        help="how reasoning is split off replies: think or none (default auto: think when the "
-        "chat template writes <think>)",
+        help="how reasoning is split off replies: think, openai_gptoss or none (default auto: "
+        "openai_gptoss for a harmony template, think when the chat template writes <think>)",
     )
     serve.add_argument(
         "--train", action="store_true", help="also run the trainer in this process (embedded)"

@@ -26,6 +26,9 @@ from gateway.errors import BadRequest
 Message = dict[str, Any]
 
 _SENTINEL = "\x00rlgateway-sentinel\x00"
+TAIL_CHARS = 8
+"""How many of a reply's last characters the rendering of its turn must end with when the
+template ends that turn otherwise than its answers (`ChatRenderer._glue`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,10 @@ class ChatRenderer:
             raise ValueError("the model's tokenizer has no chat template: chat needs one")
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.reasoning_key = _reasoning_key(str(tokenizer.chat_template))
+        """The key an assistant message's reasoning goes to the template under:
+        `reasoning_content` (Qwen3, GLM, DeepSeek), or `thinking` for a template that reads that
+        one only (gpt-oss's)."""
         self.arguments_as_text = False
         """The template takes a call's arguments as JSON text (DeepSeek-V3.1's adds them to a
         string), not as the object most templates serialise: learned from the first render that
@@ -76,6 +83,9 @@ class ChatRenderer:
         on a system message after the first, for one) or fails on them (DeepSeek-V3.1's adds a
         call's arguments to a string, so arguments as an object are a TypeError) is the client's
         400 with the template's own words, not a 500 that SDKs retry."""
+
+        if self.reasoning_key != "reasoning_content":
+            messages = [_reasoning_as(m, self.reasoning_key) for m in messages]
 
         def apply(msgs: list[Message]) -> Any:
             return self.tokenizer.apply_chat_template(
@@ -146,30 +156,57 @@ class ChatRenderer:
         earlier turns once more messages follow (Qwen3 drops the reasoning of turns before the
         last user message), it is what follows the end of that last turn in the full rendering;
         the segment keeps its exact tokens either way, as they were sampled."""
-        suffix = self._new_suffix(transcript, messages, tools, template_kwargs or {})
+        glue, before = self._glue(segment_tokens, transcript, tools, template_kwargs or {})
+        if glue is None:
+            return None
+        suffix = self._new_suffix(before, transcript, messages, tools, template_kwargs or {})
         if suffix is None:
             return None
-        glue = self.assistant_tail
-        last = segment_tokens[-1] if segment_tokens else None
-        if last is not None and last in self.eos_token_ids:
-            eos_text = self.decode([last], skip_special_tokens=False)
-            if glue.startswith(eos_text):
-                glue = glue[len(eos_text) :]
         return segment_tokens + self.encode(glue + suffix + prefill)
+
+    def _glue(
+        self,
+        segment_tokens: list[int],
+        transcript: list[Message],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> tuple[str | None, str]:
+        """(What follows the segment's last sampled token before the new messages, or None when
+        the template's rendering of the last turn does not end as the turn did; that rendering).
+
+        Most templates end every assistant turn with `assistant_tail` (ChatML's im_end and a
+        newline), whose start is the end-of-sequence token the model stopped on. Some end a turn
+        that calls a tool otherwise (harmony: `<|call|>`, where an answer ends `<|return|>`); the
+        model then wrote that end itself, and the glue is nothing when the template's rendering
+        ends with the reply's own last `TAIL_CHARS` characters (with or without its final
+        end-of-sequence token)."""
+        before = self.render(transcript, tools, add_generation_prompt=False, template_kwargs=kwargs)
+        stopped = bool(segment_tokens) and segment_tokens[-1] in self.eos_token_ids
+        if before.endswith(self.assistant_tail):
+            glue = self.assistant_tail
+            if stopped:
+                eos_text = self.decode(segment_tokens[-1:], skip_special_tokens=False)
+                if glue.startswith(eos_text):
+                    glue = glue[len(eos_text) :]
+            return glue, before
+        for ids in (segment_tokens, segment_tokens[:-1] if stopped else []):
+            tail = self.decode(ids[-TAIL_CHARS:], skip_special_tokens=False)[-TAIL_CHARS:]
+            if len(tail) == TAIL_CHARS and before.endswith(tail):
+                return "", before
+        return None, before
 
     def _new_suffix(
         self,
+        before: str,
         transcript: list[Message],
         messages: list[Message],
         tools: list[dict[str, Any]] | None,
         kwargs: dict[str, Any],
     ) -> str | None:
         """The rendering of `messages[len(transcript):]` and the generation prompt, as the
-        template writes them after the transcript's last turn (an assistant reply)."""
-        before = self.render(transcript, tools, add_generation_prompt=False, template_kwargs=kwargs)
+        template writes them after the transcript's last turn (an assistant reply), whose
+        rendering is `before`."""
         full = self.render(messages, tools, add_generation_prompt=True, template_kwargs=kwargs)
-        if not before.endswith(self.assistant_tail):
-            return None
         if full.startswith(before):
             return full[len(before) :]
         # Not append-only: find where the last turn ends in the full rendering, by its content
@@ -185,6 +222,23 @@ class ChatRenderer:
         if end < 0 or text.count(_SENTINEL) != 1:
             return None
         return text[end + len(self.assistant_tail) :]
+
+
+def _reasoning_key(template: str) -> str:
+    reads_thinking = "message.thinking" in template or "message['thinking']" in template
+    return (
+        "thinking"
+        if reads_thinking and "reasoning_content" not in template
+        else ("reasoning_content")
+    )
+
+
+def _reasoning_as(message: Message, key: str) -> Message:
+    if "reasoning_content" not in message:
+        return message
+    out = {k: v for k, v in message.items() if k != "reasoning_content"}
+    out[key] = message["reasoning_content"]
+    return out
 
 
 def _arguments_as_text(messages: list[Message]) -> list[Message]:

@@ -6,7 +6,8 @@ reply holds only the closing tag. The reasoning is never cut out of the recorded
 what was sampled); it is only split off the reply's text, which the protocols hand out as
 `reasoning_content` (chat completions), `reasoning` items (Responses) and `thinking` blocks
 (Messages). Chosen from the chat template (`detect_reasoning_parser`), or by the setting
-`reasoning_parser`.
+`reasoning_parser`. gpt-oss writes its reasoning as harmony analysis messages
+(`openai_gptoss`, `gateway.core.harmony`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from gateway.core import harmony
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +65,39 @@ class ThinkParser:
         return Split(body[:at].strip(), body[at + len(self.end) :].lstrip(), True)
 
 
-REASONING_PARSERS: dict[str, type[ThinkParser]] = {"think": ThinkParser}
+class HarmonyParser:
+    """gpt-oss's harmony messages (vLLM's `openai_gptoss`): the analysis channel's bodies are the
+    reasoning; the answer is every other message, a message to the user as its body, a call to a
+    function as the call (`harmony.Message.canonical`, which the `openai` tool parser reads). The
+    reasoning has ended once a message on another channel has its header written."""
+
+    name: str = "openai_gptoss"
+    markers: tuple[str, ...] = harmony.MARKUP
+
+    def opens(self, prompt_text: str) -> bool:
+        return False  # the generation prompt opens a message, never its channel
+
+    def split(self, text: str, *, opened: bool) -> Split:
+        reply = harmony.read(text)
+        analysis = [m.body for m in reply.messages if m.channel == "analysis"]
+        rest = [m for m in reply.messages if m.channel != "analysis"]
+        answer = "".join(m.body if m.recipient is None else m.canonical() for m in rest)
+        if not analysis:
+            return Split(None, answer, not reply.pending)
+        return Split("\n".join(analysis), answer, bool(rest))
+
+
+REASONING_PARSERS: dict[str, type[ThinkParser] | type[HarmonyParser]] = {
+    "think": ThinkParser,
+    "openai_gptoss": HarmonyParser,
+}
 
 
 def detect_reasoning_parser(chat_template: str) -> str:
-    """`think` for a template that writes `<think>` (Qwen3, DeepSeek-R1), else `none`."""
+    """`openai_gptoss` for a harmony template (gpt-oss's analysis channel), `think` for one that
+    writes `<think>` (Qwen3, DeepSeek-R1), else `none`."""
+    if harmony.CHANNEL + "analysis" in chat_template:
+        return "openai_gptoss"
     return "think" if ThinkParser.start in chat_template else "none"
 
 

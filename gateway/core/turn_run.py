@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 
 from engines.base import SamplingParams
+from gateway.core.call_stream import arguments_so_far
 from gateway.core.choices import ChoiceRun, RunGroup
 from gateway.core.reasoning_parsers import Split
 from gateway.core.recorder import ChoiceOutcome
@@ -22,6 +23,7 @@ from gateway.core.tool_parsers.base import new_call_id
 from gateway.core.turn_types import (
     COMPLETION_TRANSCRIPT,
     RECORD_KEY,
+    CallDelta,
     ChatPrompt,
     Choice,
     Delta,
@@ -74,6 +76,8 @@ class Turn:
         """How much of each choice's reasoning was streamed."""
         self._choices: list[Choice] | None = None
         self._call_ids: dict[int, list[str]] = {}
+        self.argued: dict[int, int] = {}
+        """How much of each streamed forced call's arguments was sent, by choice."""
 
     # -- results -----------------------------------------------------------------------------
 
@@ -299,12 +303,46 @@ class Turn:
             shown = self._visible(run)
             new = _more(shown.answer, self.shown, i)
             thought = _more(shown.reasoning or "", self.thought, i)
+            call = self._call_delta(run)
             lo, hi = sent_tokens[i], len(run.ids)
             sent_tokens[i] = hi
-            if new or thought or hi > lo:
-                yield Delta(run, new, thought, lo, hi)
+            if new or thought or hi > lo or call is not None:
+                yield Delta(run, new, thought, lo, hi, call)
         await self._commit(aborted=False)
         self._finish(aborted=False)
+
+    def _streamed_call(self, run: ChoiceRun, text: str) -> str | None:
+        """The arguments written so far of a call the reply is forced to make by name under its
+        grammar, in a format of JSON arguments; None for any other reply."""
+        group = self._group_of(run)
+        prompt = group.prompt
+        if not isinstance(prompt, ChatPrompt) or prompt.tool_choice.mode != "named":
+            return None
+        if not self.context.parsers.tools.json_arguments or self.sampling.grammar is None:
+            return None
+        return arguments_so_far(text[len(group.prefill) :])[0]
+
+    def _call_delta(self, run: ChoiceRun) -> CallDelta | None:
+        group = self._group_of(run)
+        arguments = self._streamed_call(run, group.prefill + run.decoder.safe_text())
+        sent = self.argued.get(run.index)
+        if not arguments or len(arguments) <= (sent or 0):
+            return None
+        ids = self._call_ids.setdefault(run.index, [])
+        if not ids:
+            ids.append(new_call_id(self.context.parsers.tools.call_ids))
+        self.argued[run.index] = len(arguments)
+        assert isinstance(group.prompt, ChatPrompt)
+        name = group.prompt.tool_choice.name
+        return CallDelta(ids[0], name, arguments[sent or 0 :], sent is None)
+
+    def unsent_arguments(self, choice: Choice) -> str | None:
+        """The part of a streamed call's arguments not yet sent (None: its call was not
+        streamed, and goes whole in the last chunk)."""
+        sent = self.argued.get(choice.index)
+        if sent is None:
+            return None
+        return (self._streamed_call(choice.run, self.full_text(choice.run)) or "")[sent:]
 
     def unsent(self, choice: Choice) -> str:
         """The part of a finished choice's content not yet streamed."""

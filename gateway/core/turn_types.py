@@ -149,6 +149,19 @@ class Choice:
 
 
 @dataclass(frozen=True, slots=True)
+class CallDelta:
+    """A forced call's progress while it streams (`gateway.core.call_stream`): its id and name
+    when it opens, then more of its arguments' JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments' text this delta adds."""
+    opens: bool
+    """The call's first delta: the client learns its id and name here."""
+
+
+@dataclass(frozen=True, slots=True)
 class Delta:
     """What a streaming choice adds: new visible text (never tool-call markup, never what may
     still become a stop string) and new tokens, `run.ids[lo:hi]`."""
@@ -159,6 +172,8 @@ class Delta:
     """New reasoning text (streamed before the answer's text)."""
     lo: int
     hi: int
+    call: CallDelta | None = None
+    """A forced call's arguments as they are sampled (a chat stream shows them as they come)."""
 
 
 @dataclass(eq=False, slots=True)

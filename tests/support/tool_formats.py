@@ -16,6 +16,7 @@ from gateway.core.tool_parsers import (
     Llama3JsonParser,
     MinimaxM2Parser,
     MistralParser,
+    OpenAIParser,
     Parsed,
     Phi4MiniJsonParser,
     Qwen3CoderParser,
@@ -114,6 +115,16 @@ def kimi_k2(calls: list[Call]) -> str:
     )
 
 
+def harmony(calls: list[Call]) -> str:
+    """As gpt-oss writes calls (the reply's first message has no `<|start|>assistant`: the
+    generation prompt wrote it); one a reply, where gpt-oss stops, several as later messages."""
+    return "<|start|>assistant".join(
+        f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>"
+        f"{json.dumps(a)}<|call|>"
+        for n, a in calls
+    )
+
+
 def minimax_m2(calls: list[Call]) -> str:
     """As MiniMax-M2's template writes calls: one block, bare strings, JSON otherwise."""
     return (
@@ -140,5 +151,6 @@ FORMATS: dict[str, tuple[ToolCallParser, Callable[[list[Call]], str]]] = {
     "phi4_mini_json": (Phi4MiniJsonParser(), phi4_mini),
     "deepseek_v31": (DeepseekV31Parser(), deepseek_v31),
     "kimi_k2": (KimiK2Parser(), kimi_k2),
+    "openai": (OpenAIParser(), harmony),
 }
 """Formats whose names and keys are free text; `pythonic` (Llama 4) takes Python identifiers."""

@@ -23,6 +23,9 @@ Each model family writes tool calls in its own markup; a parser turns a finished
   `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>`, then
   `<|tool_calls_section_end|>`; `functions.NAME:IDX` is the call's id, returned as the model wrote
   it (its template writes ids back and heads results with them).
+- `openai` (gpt-oss, harmony): a commentary message to `functions.NAME`, its JSON arguments,
+  `<|call|>`: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`,
+  one call a reply (`gateway.core.harmony` reads the messages).
 - `minimax_m2`: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="K">V</parameter>\n`
   ... `</invoke>\n</minimax:tool_call>`, one block for every call; values as GLM's.
 
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import re
 
+from gateway.core import harmony
 from gateway.core.tool_parsers import deepseek_v31, kimi_k2
 from gateway.core.tool_parsers.base import (
     NoToolParser,
@@ -57,6 +61,7 @@ from gateway.core.tool_parsers.llama3_json import Llama3JsonParser
 from gateway.core.tool_parsers.llama4_pythonic import Llama4PythonicParser
 from gateway.core.tool_parsers.minimax_m2 import MinimaxM2Parser
 from gateway.core.tool_parsers.mistral import MistralParser
+from gateway.core.tool_parsers.openai import OpenAIParser
 from gateway.core.tool_parsers.qwen3_coder import Qwen3CoderParser
 
 __all__ = [
@@ -71,6 +76,7 @@ __all__ = [
     "MinimaxM2Parser",
     "MistralParser",
     "NoToolParser",
+    "OpenAIParser",
     "Parsed",
     "ParsedToolCall",
     "Phi4MiniJsonParser",
@@ -92,6 +98,7 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "llama4_pythonic": Llama4PythonicParser,
     "deepseek_v31": DeepseekV31Parser,
     "kimi_k2": KimiK2Parser,
+    "openai": OpenAIParser,
 }
 
 # Llama 3.1/3.2's instruction: `{"name": function name, "parameters": dictionary of ...}`.
@@ -99,7 +106,8 @@ _LLAMA3_INSTRUCTION_RE = re.compile(r'\{"name":[^{}]*"parameters"')
 
 
 def detect_tool_parser(chat_template: str) -> str | None:
-    """The parser a chat template's own tool-call format calls for: minimax_m2 when it writes
+    """The parser a chat template's own tool-call format calls for: openai for harmony's
+    `<|channel|>`, minimax_m2 when it writes
     `<minimax:tool_call>`, granite for its `available_tools` role, phi4_mini_json for `functools[`,
     llama4_pythonic for its `[func_name1(` instruction, deepseek_v31 for its calls marker
     without V3's fenced JSON, kimi_k2 for its calls section,
@@ -107,6 +115,8 @@ def detect_tool_parser(chat_template: str) -> str | None:
     `<tool_call>`, mistral for `[TOOL_CALLS]`, llama3_json for `<|python_tag|>` or a Llama-3 style
     `"parameters"` JSON instruction; None when nothing matches (never a guess: a format read by the
     wrong parser is silently plain text)."""
+    if harmony.CHANNEL in chat_template:
+        return "openai"
     if "<minimax:tool_call>" in chat_template:
         return "minimax_m2"
     if "<|start_of_role|>available_tools" in chat_template:

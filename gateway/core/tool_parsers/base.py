@@ -54,6 +54,11 @@ class ToolCallParser(Protocol):
     parser sees it (a tokenizer may mark `[ARGS]` or `<arg_key>` special)."""
     call_ids: CallIds
     """How the ids of its calls are made where the model writes none (`new_call_id`)."""
+    json_arguments: bool
+    """A call's arguments are a JSON object written whole after the name, with an id the gateway
+    makes: a call forced by name streams them as they are sampled (`gateway.core.call_stream`).
+    False for the keyed formats (values as bare text), Python literals, and Kimi-K2 (the model
+    writes the id)."""
 
     def parse(self, text: str, tools: Sequence[dict[str, Any]] = ()) -> Parsed:
         """(content outside the calls, stripped, None when empty; the calls). A malformed call
@@ -150,6 +155,7 @@ class NoToolParser:
 
     name = "unknown"
     call_ids: CallIds = "call"
+    json_arguments = False
     markers: tuple[str, ...] = ()
     call_end: str | None = None
     markup: tuple[str, ...] = ()

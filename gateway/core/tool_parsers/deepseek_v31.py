@@ -43,6 +43,7 @@ class DeepseekV31Parser:
 
     name = "deepseek_v31"
     call_ids: CallIds = "call"
+    json_arguments = True
     markers: tuple[str, ...] = (CALLS_BEGIN,)
     call_end: str | None = None  # the section ends after the last call
     markup: tuple[str, ...] = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)

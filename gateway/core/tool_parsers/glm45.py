@@ -39,6 +39,7 @@ class Glm45Parser:
 
     name = "glm45"
     call_ids: CallIds = "call"
+    json_arguments = False
     markers: tuple[str, ...] = ("<tool_call>",)
     call_end: str | None = "</tool_call>"
     markup: tuple[str, ...] = (

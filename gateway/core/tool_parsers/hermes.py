@@ -20,6 +20,7 @@ class HermesParser:
 
     name = "hermes"
     call_ids: CallIds = "call"
+    json_arguments = True
     markers: tuple[str, ...] = ("<tool_call>",)
     call_end: str | None = "</tool_call>"
     markup: tuple[str, ...] = ("<tool_call>", "</tool_call>")

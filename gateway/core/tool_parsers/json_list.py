@@ -44,6 +44,7 @@ class JsonListParser:
 
     name = "json_list"
     call_ids: CallIds = "call"
+    json_arguments = True
     opener = ""
     markers: tuple[str, ...] = ()
     call_end: str | None = None  # one list holds every call

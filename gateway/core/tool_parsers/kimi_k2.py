@@ -54,6 +54,7 @@ class KimiK2Parser:
 
     name = "kimi_k2"
     call_ids: CallIds = "call"
+    json_arguments = False
     markers: tuple[str, ...] = (SECTION_BEGIN, SINGULAR_BEGIN)
     call_end: str | None = CALL_END
     markup: tuple[str, ...] = (

@@ -20,6 +20,7 @@ class Llama3JsonParser:
 
     name = "llama3_json"
     call_ids: CallIds = "call"
+    json_arguments = True
     markers: tuple[str, ...] = ("<|python_tag|>", '{"name"')
     call_end: str | None = None  # a call ends where its JSON does: no text marks it
     markup: tuple[str, ...] = ("<|python_tag|>",)

@@ -44,6 +44,7 @@ class Llama4PythonicParser:
 
     name = "llama4_pythonic"
     call_ids: CallIds = "call"
+    json_arguments = False
     markers: tuple[str, ...] = ("<|python_start|>", "[")
     call_end: str | None = None  # one list holds every call
     markup: tuple[str, ...] = ("<|python_start|>", "<|python_end|>")

@@ -43,6 +43,7 @@ class MinimaxM2Parser:
 
     name = "minimax_m2"
     call_ids: CallIds = "call"
+    json_arguments = False
     markers: tuple[str, ...] = ("<minimax:tool_call>",)
     call_end: str | None = None
     markup: tuple[str, ...] = (

@@ -40,6 +40,7 @@ class Qwen3CoderParser:
 
     name = "qwen3_coder"
     call_ids: CallIds = "call"
+    json_arguments = False
     markers: tuple[str, ...] = ("<tool_call>", "<function=")
     call_end: str | None = "</tool_call>"
     markup: tuple[str, ...] = (

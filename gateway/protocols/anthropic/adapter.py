@@ -46,10 +46,12 @@ def messages_prompt(body: CountTokensRequest, media: Media = "refuse") -> ChatPr
     tools = tools_of(body.tools).callable
     choice = tool_choice_of(body.tool_choice, {t["function"]["name"] for t in tools})
     messages = neutral_messages(body, media)
-    last = messages[-1]
+    last, variables = messages[-1], body.chat_template_kwargs or {}
     if last["role"] == "assistant" and not last.get("tool_calls"):
-        return ChatPrompt(messages[:-1], tools, choice, continues=last["content"])
-    return ChatPrompt(messages, tools, choice)
+        return ChatPrompt(
+            messages[:-1], tools, choice, continues=last["content"], template_kwargs=variables
+        )
+    return ChatPrompt(messages, tools, choice, template_kwargs=variables)
 
 
 class MessagesService:

@@ -27,7 +27,7 @@ from gateway.core.formats import format_schema
 from gateway.core.media import Media, media_text
 from gateway.core.turn_types import ToolChoice, ToolMode
 from gateway.errors import BadRequest, invalid_input
-from gateway.limits import CheckedBody, Int, Num, TokenCount
+from gateway.limits import CheckedBody, Int, Num, TemplateVariables, TokenCount
 
 CALL_PREFIX, TOOLU_PREFIX = "call_", "toolu_"
 
@@ -41,7 +41,7 @@ class AnthropicMessage(_Open):
     content: str | list[dict[str, Any]]
 
 
-class CountTokensRequest(_Open, CheckedBody):
+class CountTokensRequest(_Open, CheckedBody, TemplateVariables):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None

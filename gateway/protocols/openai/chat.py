@@ -229,13 +229,22 @@ def _stream(turn: Turn, body: ChatCompletionRequest) -> AsyncIterator[str]:
             out["reasoning_content"] = d.reasoning
         if d.text:
             out["content"] = d.text
+        if d.call is not None:  # a forced call's arguments, as they are sampled
+            fn = {"name": d.call.name, "arguments": d.call.arguments}
+            first = {"id": d.call.id, "type": "function", "function": fn}
+            later = {"function": {"arguments": d.call.arguments}}
+            out["tool_calls"] = [{"index": 0, **(first if d.call.opens else later)}]
         return _delta(r.index, out, logprobs) if out or logprobs is not None else None
 
     def closing(c: Choice) -> dict[str, Any]:
         tail: dict[str, Any] = {}
         if thought := turn.unsent_reasoning(c):
             tail["reasoning_content"] = thought
-        if c.tool_calls:
+        streamed = turn.unsent_arguments(c)
+        if streamed is not None:  # the call streamed: the rest of its arguments, if any
+            if streamed:
+                tail["tool_calls"] = [{"index": 0, "function": {"arguments": streamed}}]
+        elif c.tool_calls:
             tail["tool_calls"] = [{"index": k, **t} for k, t in enumerate(_tool_calls(c))]
         elif rest := turn.unsent(c):
             tail["content"] = rest

@@ -20,7 +20,16 @@ from engines.base import MAX_TOP_LOGPROBS
 from gateway.core.formats import format_schema
 from gateway.core.sampling import Asked
 from gateway.errors import BadRequest, invalid_input
-from gateway.limits import MAX_GENERATIONS, MAX_INT32, CheckedBody, Int, Num, TokenCount, TokenId
+from gateway.limits import (
+    MAX_GENERATIONS,
+    MAX_INT32,
+    CheckedBody,
+    Int,
+    Num,
+    TemplateVariables,
+    TokenCount,
+    TokenId,
+)
 
 
 class _Open(BaseModel):
@@ -81,28 +90,6 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "st
 """vLLM's constrained-decoding extensions."""
 
 
-_RENDERING = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
-"""`apply_chat_template`'s own arguments, which a request's template variables may not set."""
-
-
 class _Sampling(_Open, CheckedBody):
     model: str | None = None
     n: Int = Field(1, ge=1, le=MAX_GENERATIONS)
@@ -155,7 +142,7 @@ class _Sampling(_Open, CheckedBody):
         )
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, TemplateVariables):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
@@ -165,19 +152,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     """False: one tool call at most (the reply stops at the end of its first)."""
-    chat_template_kwargs: dict[str, Any] | None = None
-    """vLLM's extension: variables for the model's chat template (`enable_thinking`, ...)."""
-
-    @model_validator(mode="after")
-    def _template_variables_are_the_templates(self) -> Self:
-        taken = sorted(set(self.chat_template_kwargs or ()) & _RENDERING)
-        if taken:
-            raise invalid_input(
-                f"chat_template_kwargs.{taken[0]}: the gateway sets this argument of the "
-                "rendering itself; pass only the template's own variables (enable_thinking, ...)",
-                f"chat_template_kwargs.{taken[0]}",
-            )
-        return self
 
     @model_validator(mode="after")
     def _tool_results_answer_calls(self) -> Self:

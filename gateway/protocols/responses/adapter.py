@@ -93,7 +93,14 @@ class ResponsesService:
         spec = TurnSpec(
             protocol="responses",
             id_prefix="resp_",
-            prompts=[ChatPrompt([*system, *history, *messages], tools, calls)],
+            prompts=[
+                ChatPrompt(
+                    [*system, *history, *messages],
+                    tools,
+                    calls,
+                    template_kwargs=body.chat_template_kwargs or {},
+                )
+            ],
             asked=Asked(
                 temperature=body.temperature,
                 top_p=body.top_p,

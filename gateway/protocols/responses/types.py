@@ -28,7 +28,7 @@ from gateway.core.media import Media, media_text
 from gateway.core.reasoning_parsers import unseal_reasoning
 from gateway.core.turn_types import ToolChoice, ToolMode
 from gateway.errors import BadRequest, invalid_input
-from gateway.limits import CheckedBody, Int, Num, TokenCount
+from gateway.limits import CheckedBody, Int, Num, TemplateVariables, TokenCount
 
 
 class ResponseObject(BaseModel):
@@ -52,7 +52,7 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class ResponsesRequest(_Open, CheckedBody):
+class ResponsesRequest(_Open, CheckedBody, TemplateVariables):
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(default_factory=list)
     instructions: str | None = None

@@ -35,9 +35,12 @@ FAMILIES = [
     "phi4_mini_json",
     "kimi_k2",
     "mistral",  # a Mistral-style template of the tests' own, refusing ids not 9 characters long
+    "gpt_oss",
 ]
 """Every parser whose forced calls a grammar holds, under its family's template (hermes under the
 tiny model's own, Qwen2.5's format)."""
+PARSER = {"gpt_oss": "openai"}
+"""The tool parser of a family named otherwise (vLLM's names)."""
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -47,7 +50,14 @@ SCHEMA = {
     "required": ["city", "days"],
     "additionalProperties": False,
 }
-CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+DESCRIPTION = "The weather in a city."
+"""gpt-oss's template refuses a tool without a description."""
+CHAT_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": SCHEMA},
+    }
+]
 ASK = {"role": "user", "content": "Weather in Paris?"}
 ROOM = 200
 """New tokens for a call: the tiny tokenizer writes markup about a character a token (and the
@@ -74,7 +84,8 @@ async def g(
     tmp_path: Path,
 ) -> Any:
     model_dir = family_dir(tiny_model, request.param, tmp_path)
-    async with edge_app(engine, model_dir, tmp_path, tool_parser=request.param) as g:
+    parser = PARSER.get(request.param, request.param)
+    async with edge_app(engine, model_dir, tmp_path, tool_parser=parser) as g:
         g.family = request.param
         yield g
 
@@ -123,6 +134,7 @@ async def chat(g: Gw) -> list[str]:
 
 async def responses(g: Gw) -> list[str]:
     tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
+    tools[0]["description"] = DESCRIPTION
     forced = {"type": "function", "name": "get_weather"}
     first = await post(
         g,
@@ -143,7 +155,7 @@ async def responses(g: Gw) -> list[str]:
 
 
 async def messages(g: Gw) -> list[str]:
-    tools = [{"name": "get_weather", "input_schema": SCHEMA}]
+    tools = [{"name": "get_weather", "description": DESCRIPTION, "input_schema": SCHEMA}]
     forced = {"type": "tool", "name": "get_weather"}
     first = await post(
         g,

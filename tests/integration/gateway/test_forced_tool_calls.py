@@ -123,6 +123,51 @@ def test_a_streamed_required_call_assembles_into_valid_calls(tiny_gw: GatewayHan
         valid(call["name"], call["arguments"])
 
 
+def test_a_streamed_named_call_streams_its_arguments_as_they_are_sampled(
+    tiny_gw: GatewayHandle,
+) -> None:
+    """A call forced by name cannot be malformed (its grammar holds it), so its arguments stream
+    in many deltas, the first with its id and name; the SDK's own assembly (`stream()`) gives
+    the valid call, and the history sent back continues the segment. The control: a call forced
+    to any tool streams whole in the last chunk (its name is read when the reply ends)."""
+    s = tiny_gw.new_session()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with sync_client(s) as client:
+        request = {"model": "tiny", "messages": [user("Weather?")], "tools": TOOLS, "seed": 3}
+        with client.chat.completions.stream(**request, tool_choice=named, max_tokens=200) as st:
+            deltas = [
+                d
+                for chunk in st
+                if chunk.type == "chunk"
+                for d in chunk.chunk.choices[0].delta.tool_calls or []
+            ]
+            final = st.get_final_completion()
+        [call] = final.choices[0].message.tool_calls or []
+        assert final.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "get_weather"
+        valid(call.function.name, call.function.arguments)
+        assert len(deltas) > 3  # the arguments came as they were sampled
+        assert (deltas[0].id, deltas[0].function.name) == (call.id, "get_weather")  # type: ignore[union-attr]
+        assert all(d.id is None for d in deltas[1:])
+        text = "".join(d.function.arguments or "" for d in deltas)  # type: ignore[union-attr]
+        assert json.loads(text) == json.loads(call.function.arguments)
+        history = [
+            user("Weather?"),
+            final.choices[0].message.model_dump(exclude_none=True, exclude={"parsed"}),
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+        ]
+        client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=2)
+    seg = only_segment(tiny_gw.session(s["id"]))  # one segment: the streamed call continued
+    check_segment(seg)
+    # the control: a call forced to some tool (its name read from the reply) streams whole, last
+    with sync_client(tiny_gw.new_session()) as client:
+        chunks = client.chat.completions.create(
+            **request, tool_choice="required", max_tokens=200, stream=True
+        )
+        carrying = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert [c.choices[0].finish_reason for c in carrying] == ["tool_calls"]
+
+
 def test_responses_named_function_call(tiny_gw: GatewayHandle) -> None:
     s = tiny_gw.new_session()
     tools: list[Any] = [{"type": "function", **t["function"]} for t in TOOLS]

@@ -1,7 +1,8 @@
-"""A chat request's `chat_template_kwargs` (vLLM's extension) reach the model's chat template:
-`enable_thinking: false` renders Qwen3's empty thinking block into the prompt that is recorded,
-the next turn under the same variables continues the segment, under others opens a new one, and
-the rendering's own arguments are refused. In-process on the real local engine and SQLite."""
+"""A request's `chat_template_kwargs` (vLLM's extension, taken on chat completions, the Responses
+API and Messages alike) reach the model's chat template: `enable_thinking: false` renders Qwen3's
+empty thinking block into the prompt that is recorded, the next turn under the same variables
+continues the segment, under others opens a new one, and the rendering's own arguments are
+refused in each protocol's error shape. In-process on the real local engine and SQLite."""
 
 from __future__ import annotations
 
@@ -80,11 +81,36 @@ async def test_template_variables_render_into_the_recorded_prompt(gw: Gw) -> Non
     assert EMPTY_THOUGHT not in new
 
 
+HI = [{"role": "user", "content": "hi"}]
+OTHER_PROTOCOLS = {
+    "responses": {"input": HI, "max_output_tokens": 3, "store": False},
+    "messages": {"messages": HI, "max_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("route", list(OTHER_PROTOCOLS))
+async def test_the_responses_api_and_messages_take_them_too(gw: Gw, route: str) -> None:
+    for variables in ({"enable_thinking": False}, {}):
+        r = await gw.post(route, {**OTHER_PROTOCOLS[route], "chat_template_kwargs": variables})
+        assert r.status_code == 200, r.text
+    switched, plain = await segments(gw)
+    assert EMPTY_THOUGHT in switched
+    assert EMPTY_THOUGHT not in plain
+
+
 async def test_the_renderings_own_arguments_are_refused(gw: Gw) -> None:
     for name in ("add_generation_prompt", "tokenize", "tools"):
+        r = await gw.post("chat/completions", {"messages": HI, "chat_template_kwargs": {name: 1}})
+        refused(r, 400, f"chat_template_kwargs.{name}", "the gateway sets")
         r = await gw.post(
-            "chat/completions",
-            {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {name: 1}},
+            "responses", {**OTHER_PROTOCOLS["responses"], "chat_template_kwargs": {name: 1}}
         )
         refused(r, 400, f"chat_template_kwargs.{name}", "the gateway sets")
+        r = await gw.post(
+            "messages", {**OTHER_PROTOCOLS["messages"], "chat_template_kwargs": {name: 1}}
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert f"chat_template_kwargs.{name}" in r.json()["error"]["message"]
     assert await gw.recorded() == []

@@ -98,6 +98,12 @@ def test_the_json_list_formats_read_back_what_they_write(calls: list[Call], fmt:
     _round_trips(fmt, calls)
 
 
+@settings(max_examples=50, deadline=None, database=None)
+@given(calls=_calls_of(_NAME, _JSON))
+def test_harmony_reads_back_what_it_writes(calls: list[Call]) -> None:
+    _round_trips("openai", calls)
+
+
 _IDENTIFIER = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,15}", fullmatch=True).filter(
     lambda s: not keyword.iskeyword(s)
 )

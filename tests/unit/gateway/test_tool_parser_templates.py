@@ -117,6 +117,7 @@ def test_a_familys_own_template_is_detected_and_its_calls_read_back(family: str)
         ("deepseek_v31", "deepseek_v31"),
         ("kimi_k2", "kimi_k2"),
         ("llama4_pythonic", "llama4_pythonic"),
+        ("gpt_oss", "openai"),
     ],
 )
 def test_each_familys_own_template_picks_its_parser_or_none(

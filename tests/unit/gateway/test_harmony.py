@@ -1,0 +1,104 @@
+"""gpt-oss's harmony format (`gateway.core.harmony`), read as the model writes it and as its own
+chat template (`tests/support/templates/gpt_oss.jinja`, as its model card publishes it) writes it
+back: the analysis channel is the reasoning, the final channel the answer, a commentary message to
+`functions.NAME` a call; a reply in flight shows no markup; the template picks both parsers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gateway.core import harmony
+from gateway.core.reasoning_parsers import HarmonyParser, detect_reasoning_parser
+from gateway.core.tool_parsers import OpenAIParser, detect_tool_parser
+from tests.support.paths import REPO_ROOT
+from tests.support.tool_formats import calls_of
+
+TEMPLATE = (REPO_ROOT / "tests" / "support" / "templates" / "gpt_oss.jinja").read_text()
+THINK = "<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant"
+CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+WEATHER = [("get_weather", {"city": "Oslo"})]
+
+
+def read(text: str) -> tuple[str | None, list[Any], str | None]:
+    """(content, calls, reasoning) as the gateway reads a reply: reasoning first, then calls."""
+    split = HarmonyParser().split(text, opened=False)
+    content, calls = OpenAIParser().parse(split.answer)
+    return content, calls_of((content, calls)), split.reasoning
+
+
+def test_the_template_picks_both_parsers() -> None:
+    assert detect_tool_parser(TEMPLATE) == "openai"
+    assert detect_reasoning_parser(TEMPLATE) == "openai_gptoss"
+
+
+def test_reasoning_then_an_answer() -> None:
+    text = THINK + "<|channel|>final<|message|>It is sunny.<|return|>"
+    assert read(text) == ("It is sunny.", [], "The user wants the weather.")
+
+
+def test_reasoning_then_a_call() -> None:
+    assert read(THINK + CALL + "<|call|>") == (None, WEATHER, "The user wants the weather.")
+
+
+def test_a_preamble_is_content_and_the_recipient_may_come_first() -> None:
+    preamble = "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant"
+    first = ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>'
+    assert read(preamble + first.lstrip()) == ("Checking.", WEATHER, None)
+    assert read(first) == (None, WEATHER, None)
+
+
+@pytest.mark.parametrize(
+    "body",
+    ['{"city": "Oslo"', "[1, 2]", "not json"],
+    ids=["cut", "not-an-object", "text"],
+)
+def test_a_malformed_call_is_text(body: str) -> None:
+    text = CALL.replace('{"city": "Oslo"}', body) + "<|call|>"
+    content, calls, _ = read(text)
+    assert calls == []
+    assert content == text
+
+
+def test_a_built_in_tools_recipient_is_no_call_of_the_requests() -> None:
+    text = '<|channel|>commentary to=browser.search <|constrain|>json<|message|>{"q": "x"}<|call|>'
+    content, calls, _ = read(text)
+    assert calls == []
+    assert content == text
+
+
+def test_a_reply_without_the_format_is_its_text() -> None:
+    assert read("Just text.") == ("Just text.", [], None)
+
+
+def test_in_flight_the_answer_waits_for_the_next_header() -> None:
+    """While the reasoning streams, nothing is shown as the answer; once a final message's
+    header is written, its body is; a call's header is never the answer's text."""
+    parser = HarmonyParser()
+    assert parser.split("<|channel|>analysis<|message|>The us", opened=False).done is False
+    mid = THINK + "<|channel|>fin"
+    split = parser.split(mid, opened=False)
+    assert (split.reasoning, split.answer, split.done) == ("The user wants the weather.", "", False)
+    split = parser.split(THINK + "<|channel|>final<|message|>It is", opened=False)
+    assert (split.answer, split.done) == ("It is", True)
+
+
+def test_the_templates_own_call_reads_back() -> None:
+    """The template writes a call back recipient first (`<|start|>assistant to=functions.NAME
+    <|channel|>commentary json<|message|>...<|call|>`): read as the same call."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather."}}]
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "thinking": "Look it up.", "tool_calls": [call]},
+    ]
+    [whole], _ = render_jinja_template(
+        conversations=[messages], chat_template=TEMPLATE, tools=tools
+    )
+    reply = str(whole).split("<|start|>user<|message|>Weather?<|end|><|start|>assistant", 1)[1]
+    assert read(reply) == (None, WEATHER, "Look it up.")
+    assert json.loads(harmony.read(reply).messages[-1].body) == {"city": "Oslo"}
