@@ -173,7 +173,7 @@ class Delta:
     lo: int
     hi: int
     call: CallDelta | None = None
-    """A forced call's arguments as they are sampled (a chat stream shows them as they come)."""
+    """A forced call's arguments as they are sampled (each protocol's stream sends them)."""
 
 
 @dataclass(eq=False, slots=True)

@@ -3,7 +3,8 @@
 
 The stream is `message_start`, `ping`, then per content block `content_block_start`,
 `content_block_delta`... (`text_delta`, or one `input_json_delta` holding a tool call's whole
-input, as it is known only once the call is parsed), `content_block_stop`, and last
+input, as it is known only once the call is parsed; a call forced by name streams its input as it
+is sampled), `content_block_stop`, and last
 `message_delta` (stop reason, output tokens) and `message_stop`; a failure after the stream
 began is an `error` event in Anthropic's shape. `stop_reason` is `end_turn`, `max_tokens`,
 `model_context_window_exceeded` (the model's context, not `max_tokens`, ended the reply),
@@ -232,6 +233,16 @@ async def _stream(turn: Turn) -> AsyncIterator[str]:
                             yield e
                     for e in blocks.text(d.text):
                         yield e
+                if d.call is not None:  # a forced call's input, as it is sampled
+                    if d.call.opens:
+                        if blocks.open == "thinking":
+                            for e in end_thinking(seal_reasoning(thought)):
+                                yield e
+                        use = {"type": "tool_use", "id": tool_use_id(d.call.id)}
+                        yield blocks.start(use | {"name": d.call.name, "input": {}})
+                    yield blocks.delta(
+                        {"type": "input_json_delta", "partial_json": d.call.arguments}
+                    )
         except Exception as exc:
             await turn.close()
             err = translate(exc)
@@ -239,8 +250,13 @@ async def _stream(turn: Turn) -> AsyncIterator[str]:
             return
         choice = turn.choices[0]
         final = message(turn, choice)
+        streamed = turn.unsent_arguments(choice)
         for block in final["content"]:
             kind = block["type"]
+            if streamed is not None and kind != "thinking":  # the streamed call's block
+                if kind == "tool_use" and streamed:
+                    yield blocks.delta({"type": "input_json_delta", "partial_json": streamed})
+                continue
             if kind == "thinking":
                 if rest := turn.unsent_reasoning(choice):
                     for e in blocks.thinking(rest):
@@ -260,6 +276,8 @@ async def _stream(turn: Turn) -> AsyncIterator[str]:
                     {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
                 )
                 yield blocks.stop()
+        if blocks.open == "tool_use":  # the streamed call's block (cut by its limit: unfinished)
+            yield blocks.stop()
         yield _event(
             "message_delta",
             delta={"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]},

@@ -8,7 +8,8 @@ does. The stream is `response.created`, `response.in_progress`, then per output 
 `response.output_item.added`, (for a message) `response.content_part.added`,
 `response.output_text.delta`..., `response.output_text.done`, `response.content_part.done`, (for a
 function call) `response.function_call_arguments.delta` and `.done`, then
-`response.output_item.done`, and last `response.completed` (`response.incomplete` when it stopped at
+`response.output_item.done` (a call forced by name opens its item and streams its arguments as
+they are sampled), and last `response.completed` (`response.incomplete` when it stopped at
 `max_output_tokens`), or `response.failed` when the engine fails after the stream began. Every event
 carries its `sequence_number`.
 """
@@ -27,7 +28,7 @@ from gateway.core.reasoning_parsers import seal_reasoning
 from gateway.core.sampling import Asked
 from gateway.core.turn import TurnCore
 from gateway.core.turn_run import Turn
-from gateway.core.turn_types import ChatPrompt, Choice, Exchange, TurnSpec
+from gateway.core.turn_types import CallDelta, ChatPrompt, Choice, Exchange, TurnSpec
 from gateway.errors import BadRequest, NotFound, translate
 from gateway.protocols.common import chat_logprobs
 from gateway.protocols.responses.kept import (
@@ -167,6 +168,9 @@ class ResponsesService:
                     lps = shape.logprobs(turn, d.run, d.lo, d.hi)
                     for e in out.progress(d.reasoning, d.text, lps):
                         yield e
+                    if d.call is not None:  # a forced call's arguments, as they are sampled
+                        for e in out.call(d.call):
+                            yield e
             except Exception as exc:
                 await turn.close()
                 err = translate(exc)
@@ -186,7 +190,8 @@ class ResponsesService:
                 yield out.event("response.failed", response=failed)
                 return
             final = shape.choice(turn, choice)
-            for e in out.finish(final, turn.unsent_reasoning(choice), turn.unsent(choice)):
+            rest = turn.unsent_arguments(choice) or ""
+            for e in out.finish(final, turn.unsent_reasoning(choice), turn.unsent(choice), rest):
                 yield e
             self._keep(shape.body, turn, final, session_id, prior)
             ended = final["status"] == "incomplete"
@@ -221,6 +226,8 @@ class _Events:
         self.closed = False
         """The reasoning item was closed (the answer's text began)."""
         self.reasoning = ""
+        self.streamed: JSON | None = None
+        """The function call item streaming as it is sampled (a call forced by name)."""
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": next(self.seq), **fields}
@@ -272,10 +279,43 @@ class _Events:
             )
         return out
 
-    def finish(self, final: JSON, reasoning_rest: str, text_rest: str) -> list[str]:
-        """The rest of the stream once the reply is whole: what is left of its text, the items
-        not yet closed, and the function calls."""
+    def call(self, call: CallDelta) -> list[str]:
+        """A forced call's item, opened at its first delta, and its arguments as they come."""
         out: list[str] = []
+        if call.opens:
+            if self.open == "reasoning":
+                out += self._close_reasoning(_reasoning_item(self.ids["reasoning"], self.reasoning))
+            self.index += 1
+            self.streamed = {
+                "type": "function_call",
+                "id": f"fc_{call.id.removeprefix('call_')}",
+                "call_id": call.id,
+                "name": call.name,
+                "arguments": "",
+                "status": "in_progress",
+            }
+            added = self.event(
+                "response.output_item.added", output_index=self.index, item=self.streamed
+            )
+            out.append(added)
+        assert self.streamed is not None
+        at = {"item_id": self.streamed["id"], "output_index": self.index}
+        return [
+            *out,
+            self.event("response.function_call_arguments.delta", **at, delta=call.arguments),
+        ]
+
+    def finish(
+        self, final: JSON, reasoning_rest: str, text_rest: str, arguments_rest: str = ""
+    ) -> list[str]:
+        """The rest of the stream once the reply is whole: what is left of its text, the items
+        not yet closed, and the function calls (the rest of a streamed one's arguments; one the
+        reply's end did not make a call, cut by its limit, ends incomplete)."""
+        out: list[str] = []
+        ids = {item.get("id") for item in final["output"]}
+        if self.streamed is not None and self.streamed["id"] not in ids:
+            cut = self.streamed | {"status": "incomplete"}
+            out.append(self.event("response.output_item.done", output_index=self.index, item=cut))
         for item in final["output"]:
             kind = item["type"]
             if kind == "reasoning":
@@ -312,6 +352,23 @@ class _Events:
                     self.event("response.output_item.done", output_index=self.index, item=item),
                 ]
                 self.open = None
+            elif self.streamed is not None and item["id"] == self.streamed["id"]:
+                at = {"item_id": item["id"], "output_index": self.index}
+                if arguments_rest:
+                    out.append(
+                        self.event(
+                            "response.function_call_arguments.delta", **at, delta=arguments_rest
+                        )
+                    )
+                out += [
+                    self.event(
+                        "response.function_call_arguments.done",
+                        **at,
+                        name=item["name"],
+                        arguments=item["arguments"],
+                    ),
+                    self.event("response.output_item.done", output_index=self.index, item=item),
+                ]
             else:
                 self.index += 1
                 added = item | {"arguments": "", "status": "in_progress"}

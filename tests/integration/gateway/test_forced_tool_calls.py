@@ -168,35 +168,59 @@ def test_a_streamed_named_call_streams_its_arguments_as_they_are_sampled(
     assert [c.choices[0].finish_reason for c in carrying] == ["tool_calls"]
 
 
-def test_responses_named_function_call(tiny_gw: GatewayHandle) -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_responses_named_function_call(tiny_gw: GatewayHandle, streamed: bool) -> None:
+    """Streamed, the call's arguments come in many `response.function_call_arguments.delta`
+    events (its grammar keeps it valid), which the SDK assembles into the same call."""
     s = tiny_gw.new_session()
     tools: list[Any] = [{"type": "function", **t["function"]} for t in TOOLS]
+    request: Any = {
+        "model": "tiny",
+        "input": "The weather?",
+        "tools": tools,
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 200,
+    }
     with sync_client(s) as client:
-        r = client.responses.create(
-            model="tiny",
-            input="The weather?",
-            tools=tools,
-            tool_choice={"type": "function", "name": "get_weather"},
-            max_output_tokens=200,
-        )
+        if streamed:
+            with client.responses.stream(**request) as stream:
+                kinds = [event.type for event in stream]
+                r = stream.get_final_response()
+            assert kinds.count("response.function_call_arguments.delta") > 3
+            assert kinds.count("response.output_item.added") == 1
+        else:
+            r = client.responses.create(**request)
     [call] = [item for item in r.output if item.type == "function_call"]
     assert call.name == "get_weather"
     valid(call.name, call.arguments)
     assert recorded_grammar(tiny_gw, s["id"])[0] is not None
 
 
-def test_messages_named_tool_use(tiny_gw: GatewayHandle) -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_messages_named_tool_use(tiny_gw: GatewayHandle, streamed: bool) -> None:
+    """Streamed, the tool use's input comes in many `input_json_delta` events."""
     s = tiny_gw.new_session()
     client = anthropic.Anthropic(
         base_url=s["base_url"].removesuffix("/v1"), api_key=s["api_key"], max_retries=0
     )
-    m = client.messages.create(
-        model="tiny",
-        max_tokens=200,
-        messages=[{"role": "user", "content": "A note."}],
-        tools=[{"name": n, "input_schema": p} for n, p in SCHEMAS.items()],  # type: ignore[misc]
-        tool_choice={"type": "tool", "name": "take_note", "disable_parallel_tool_use": True},
-    )
+    request: Any = {
+        "model": "tiny",
+        "max_tokens": 200,
+        "messages": [{"role": "user", "content": "A note."}],
+        "tools": [{"name": n, "input_schema": p} for n, p in SCHEMAS.items()],
+        "tool_choice": {"type": "tool", "name": "take_note", "disable_parallel_tool_use": True},
+    }
+    if streamed:
+        with client.messages.stream(**request) as stream:
+            deltas = [
+                e
+                for e in stream
+                if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+            ]
+            m = stream.get_final_message()
+        assert len(deltas) > 3
+    else:
+        m = client.messages.create(**request)
     assert m.stop_reason == "tool_use"
     [use] = [block for block in m.content if block.type == "tool_use"]
     assert use.name == "take_note"
