@@ -20,7 +20,15 @@ optional one or not, none other; a value of a `string` property is bare text up 
 closing markup (as the parser reads it, the first closing markup ends it), held to the property's
 `enum`, `const`, `minLength` and `maxLength` (not its `pattern` or `format`); any other value is
 JSON held to the property's schema. A tool that declares no properties takes any keys, values as
-bare text. Python-literal calls (llama4_pythonic) have no grammar: the prefill forces the call.
+bare text.
+
+A Python-literal format (llama4_pythonic: `name(key=value, ...)`) is held the same way, by the
+tool's declared properties as keyword arguments (`python_arguments`): a value of a string,
+number or integer property (or an array of them, or an `enum`/`const` of them) is written as JSON
+writes it, which Python reads as the same value, a string without JSON's `\\/` escape (Python
+would keep its backslash); a boolean is `True`/`False` and null `None`. A tool with a property of
+any other kind (an object, a boolean inside an array, no type) is not held: its call is forced by
+the prefill only.
 """
 
 from __future__ import annotations
@@ -230,3 +238,81 @@ def keyed_named(
 def keyed_rules(tools: Sequence[dict[str, Any]], style: KeyedStyle, marks: Marks) -> list[str]:
     """`argsI`: the arguments of the I-th tool in a keyed format (as `arguments_rules`)."""
     return [r for i, t in enumerate(tools) for r in keyed_arguments(f"args{i}", t, style, marks)]
+
+
+_PYTHON_SCALARS = frozenset({"string", "number", "integer"})
+
+
+def _python_safe(schema: Any, root: Mapping[str, Any]) -> bool:
+    """A value JSON writes as Python reads it (no `true`, `false` or `null` inside)."""
+    schema = resolved(schema, root)
+    if not isinstance(schema, dict):
+        return False
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list):
+        return bool(values) and all(
+            isinstance(v, str | int | float) and not isinstance(v, bool) for v in values
+        )
+    kind = schema.get("type")
+    if kind == "array":
+        return _python_safe(schema.get("items"), root)
+    return kind in _PYTHON_SCALARS
+
+
+def _python_string(schema: Mapping[str, Any]) -> str:
+    """A JSON string literal (bar `\\/`) held to `minLength`/`maxLength`, an escape one char."""
+    lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+    char = '([^"\\\\\\x00-\\x1f]|\\\\["\\\\bfnrt]|\\\\u[0-9a-fA-F]{4})'
+    reps = "*" if lo == 0 and hi is None else f"{{{lo},{'' if hi is None else int(hi)}}}"
+    return f'/"{char}{reps}"/'
+
+
+def python_value(schema: Any, root: Mapping[str, Any]) -> str | None:
+    """The Lark of one keyword argument's value (module docstring); None: it cannot be held."""
+    schema = resolved(schema, root)
+    if not isinstance(schema, dict):
+        return None
+    if schema.get("type") == "boolean":
+        return '"True" | "False"'
+    if schema.get("type") == "null":
+        return '"None"'
+    if not _python_safe(schema, root):
+        return None
+    if schema.get("type") == "string" and "enum" not in schema and "const" not in schema:
+        return _python_string(schema)
+    defs = {k: root[k] for k in ("$defs", "definitions") if k in root}
+    return "%json" + json.dumps({**schema, **defs, "x-guidance": ARGUMENTS_STYLE})
+
+
+def python_arguments(rule: str, tool: dict[str, Any]) -> list[str] | None:
+    """`rule`: the keyword arguments of `tool` in declared order, `, `-separated, a required one
+    always, an optional one or not; None when a property cannot be held (`python_value`)."""
+    params = parameters(tool)
+    props = params.get("properties") or {}
+    if not isinstance(props, dict):
+        return None
+    required = set(params.get("required") or ())
+    keys = list(props)
+    rules = []
+    for j, key in enumerate(keys):
+        value = python_value(props[key], params)
+        if value is None or not str(key).isidentifier():
+            return None
+        rules.append(f"{rule}_{j}: {json.dumps(str(key) + '=')} ({value})")
+
+    def after(j: int) -> str:  # the arguments from j on, something written before them
+        if j == len(keys):
+            return ""
+        pair = f'", " {rule}_{j}'
+        return (f"{pair} " if keys[j] in required else f"({pair})? ") + after(j + 1)
+
+    def first(j: int) -> str:  # the arguments from j on, nothing written before them
+        if j == len(keys):
+            return ""
+        if keys[j] in required:
+            return f"{rule}_{j} {after(j + 1)}"
+        rest = first(j + 1).strip()
+        return f"({rule}_{j} {after(j + 1)}| {rest})" if rest else f"({rule}_{j})?"
+
+    body = first(0).strip()
+    return [f"{rule}: {body}" if body else f'{rule}: ""', *rules]

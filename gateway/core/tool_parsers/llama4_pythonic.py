@@ -10,6 +10,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.core import tool_grammars as tg
 from gateway.core.tool_grammars import Marks
 from gateway.core.tool_parsers.base import CallIds, Parsed, ParsedToolCall, is_name
 
@@ -63,5 +64,24 @@ class Llama4PythonicParser:
 
     def grammar(
         self, tools: Sequence[dict[str, Any]], name: str | None, parallel: bool, marks: Marks
-    ) -> None:
-        return None  # Python literals, not JSON: only the prefill forces the call
+    ) -> str | None:
+        """The keyword arguments held by the tools' properties (`tool_grammars.python_arguments`),
+        `)`, more calls where parallel ones are allowed (not after a named tool's call), `]`;
+        None where a tool's property cannot
+        be held (the prefill alone then forces the call)."""
+        rules: list[str] = []
+        calls = []
+        for i, tool in enumerate(tools):
+            held = tg.python_arguments(f"args{i}", tool)
+            if held is None:
+                return None
+            rules += held
+            calls.append(f'{json.dumps(tg.tool_names([tool])[0] + "(")} args{i} ")"')
+        rules.append("call: " + " | ".join(calls))
+        more = ' (", " call)*' if parallel else ""
+        if name is None:
+            return tg.grammar(f'call{more} "]"', rules)
+        if name not in tg.tool_names(tools):
+            raise ValueError(f"tool {name!r} is not among the request's tools")
+        named = tg.tool_names(tools).index(name)
+        return tg.grammar(f'args{named} ")" "]"', rules)  # a named tool: that one call

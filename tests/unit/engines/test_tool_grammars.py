@@ -69,10 +69,21 @@ def check_calls(parser: ToolCallParser, text: str, name: str | None) -> int:
     return len(calls)
 
 
-def test_every_parser_but_python_literals_has_a_grammar() -> None:
-    """llama4_pythonic writes Python literals: its calls are forced, not held. The keyed formats
-    (qwen3_coder, glm45, minimax_m2) are held by the tools' properties."""
-    assert set(TOOL_PARSERS) - set(HELD) == {"llama4_pythonic"}
+def test_every_parser_has_a_grammar() -> None:
+    """The keyed formats (qwen3_coder, glm45, minimax_m2) and Python literals (llama4_pythonic)
+    are held by the tools' properties; a Python-literal tool whose property JSON cannot write as
+    Python (an object) is forced by the prefill alone."""
+    assert set(TOOL_PARSERS) == set(HELD)
+    untyped = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"o": {"type": "object"}}},
+            },
+        }
+    ]
+    assert TOOL_PARSERS["llama4_pythonic"]().grammar(untyped, "f", True, {}) is None
 
 
 @pytest.mark.parametrize("parser_name", HELD)
