@@ -28,6 +28,7 @@ from tests.support.paths import REPO_ROOT
 TEMPLATES = REPO_ROOT / "tests" / "support" / "templates"
 FAMILIES = [
     "hermes",
+    "qwen3_coder",
     "glm45",
     "minimax_m2",
     "deepseek_v31",

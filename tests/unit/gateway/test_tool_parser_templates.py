@@ -60,14 +60,16 @@ FAMILIES = {
     # family: (the assistant turn's header, the end of turn the engine stops on and drops)
     "glm45": ("<|assistant|>", ""),
     "minimax_m2": ("]~b]ai\n", "[e~[\n"),
+    "qwen3_coder": ("<|im_start|>assistant", "<|im_end|>\n"),
 }
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_familys_own_template_is_detected_and_its_calls_read_back(family: str) -> None:
     """The family's own template (tests/support/templates/, from its model card: GLM-4.5's as
-    GLM-4.6 ships it, MiniMax-M2's) renders an assistant turn with calls; detection picks the
-    family's parser, and reading the turn back gives the content and the calls, values typed."""
+    GLM-4.6 ships it, MiniMax-M2's, Qwen3-Coder's) renders an assistant turn with calls;
+    detection picks the family's parser, and reading the turn back gives the content and the
+    calls, values typed."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     template = (REAL_TEMPLATES / f"{family}.jinja").read_text()
@@ -118,6 +120,7 @@ def test_a_familys_own_template_is_detected_and_its_calls_read_back(family: str)
         ("kimi_k2", "kimi_k2"),
         ("llama4_pythonic", "llama4_pythonic"),
         ("gpt_oss", "openai"),
+        ("qwen3_coder", "qwen3_coder"),
     ],
 )
 def test_each_familys_own_template_picks_its_parser_or_none(
