@@ -12,6 +12,7 @@ family's template) and a real SQLite store."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -24,6 +25,7 @@ from engines.local import LocalEngine
 from tests.support.admin_client import ADMIN, engine  # noqa: F401
 from tests.support.edge import Gw, edge_app
 from tests.support.paths import REPO_ROOT
+from tests.support.round_trip import Post, send_result, tools_in
 
 TEMPLATES = REPO_ROOT / "tests" / "support" / "templates"
 FAMILIES = [
@@ -55,12 +57,7 @@ SCHEMA = {
 }
 DESCRIPTION = "The weather in a city."
 """gpt-oss's template refuses a tool without a description."""
-CHAT_TOOLS = [
-    {
-        "type": "function",
-        "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": SCHEMA},
-    }
-]
+CHAT_TOOLS = tools_in("chat/completions", "get_weather", DESCRIPTION, SCHEMA)
 ASK = {"role": "user", "content": "Weather in Paris?"}
 ROOM = 200
 """New tokens for a call: the tiny tokenizer writes markup about a character a token (and the
@@ -100,6 +97,10 @@ async def post(g: Gw, route: str, body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def poster(g: Gw) -> Post:
+    return functools.partial(post, g)
+
+
 def valid(arguments: Any) -> None:
     jsonschema.validate(json.loads(arguments) if isinstance(arguments, str) else arguments, SCHEMA)
 
@@ -127,17 +128,11 @@ async def chat(g: Gw) -> list[str]:
     [call] = message["tool_calls"]
     valid(call["function"]["arguments"])
     own_id(g, call["id"])
-    result = {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}
-    history = [ASK, {k: v for k, v in message.items() if v is not None}, result]
-    second = await post(
-        g, "chat/completions", {"messages": history, "tools": CHAT_TOOLS, "max_tokens": 2}
-    )
-    return [first["id"], second["id"]]
+    return [first["id"], await send_result(poster(g), "chat/completions", ASK, first, CHAT_TOOLS)]
 
 
 async def responses(g: Gw) -> list[str]:
-    tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
-    tools[0]["description"] = DESCRIPTION
+    tools = tools_in("responses", "get_weather", DESCRIPTION, SCHEMA)
     forced = {"type": "function", "name": "get_weather"}
     first = await post(
         g,
@@ -149,16 +144,11 @@ async def responses(g: Gw) -> list[str]:
     [call] = calls
     valid(call["arguments"])
     own_id(g, call["call_id"])
-    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
-    history = [ASK, *first["output"], result]
-    second = await post(
-        g, "responses", {"input": history, "tools": tools, "max_output_tokens": 2, "store": False}
-    )
-    return [first["id"], second["id"]]
+    return [first["id"], await send_result(poster(g), "responses", ASK, first, tools)]
 
 
 async def messages(g: Gw) -> list[str]:
-    tools = [{"name": "get_weather", "description": DESCRIPTION, "input_schema": SCHEMA}]
+    tools = tools_in("messages", "get_weather", DESCRIPTION, SCHEMA)
     forced = {"type": "tool", "name": "get_weather"}
     first = await post(
         g,
@@ -170,14 +160,7 @@ async def messages(g: Gw) -> list[str]:
     [use] = uses
     valid(use["input"])
     own_id(g, use["id"])
-    result = {"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"}
-    history = [
-        ASK,
-        {"role": "assistant", "content": first["content"]},
-        {"role": "user", "content": [result]},
-    ]
-    second = await post(g, "messages", {"messages": history, "tools": tools, "max_tokens": 2})
-    return [first["id"], second["id"]]
+    return [first["id"], await send_result(poster(g), "messages", ASK, first, tools)]
 
 
 async def test_a_forced_call_round_trips_in_every_protocol(g: Gw) -> None:

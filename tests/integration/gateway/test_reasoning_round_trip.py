@@ -14,6 +14,7 @@ call; the client sends both back with the tool's result, and the conversation st
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from tests.support.admin_client import ADMIN
 from tests.support.edge import Gw, edge_app
 from tests.support.paths import REPO_ROOT
 from tests.support.replay_engine import ReplayEngine
+from tests.support.round_trip import Post, send_result, tools_in
 from tests.support.tool_formats import deepseek_v31, glm45, harmony, minimax_m2
 
 TEMPLATES = REPO_ROOT / "tests" / "support" / "templates"
@@ -80,13 +82,12 @@ async def post(g: Gw, route: str, body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def poster(g: Gw) -> Post:
+    return functools.partial(post, g)
+
+
 async def chat(g: Gw) -> list[str]:
-    tools = [
-        {
-            "type": "function",
-            "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": SCHEMA},
-        }
-    ]
+    tools = tools_in("chat/completions", "get_weather", DESCRIPTION, SCHEMA)
     first = await post(g, "chat/completions", {"messages": [ASK], "tools": tools})
     message = first["choices"][0]["message"]
     assert message["reasoning_content"] == THOUGHT
@@ -94,46 +95,28 @@ async def chat(g: Gw) -> list[str]:
     [call] = message["tool_calls"]
     assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == CALL[0]
     assert first["choices"][0]["finish_reason"] == "tool_calls"
-    result = {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}
-    history = [ASK, {k: v for k, v in message.items() if v is not None}, result]
-    second = await post(
-        g, "chat/completions", {"messages": history, "tools": tools, "max_tokens": 2}
-    )
-    return [first["id"], second["id"]]
+    return [first["id"], await send_result(poster(g), "chat/completions", ASK, first, tools)]
 
 
 async def responses(g: Gw) -> list[str]:
-    tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
-    tools[0]["description"] = DESCRIPTION
+    tools = tools_in("responses", "get_weather", DESCRIPTION, SCHEMA)
     first = await post(g, "responses", {"input": [ASK], "tools": tools, "store": False})
     assert [item["type"] for item in first["output"]] == ["reasoning", "function_call"]
     thought, call = first["output"]
     assert thought["content"][0]["text"] == THOUGHT
     assert (call["name"], json.loads(call["arguments"])) == CALL[0]
-    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
-    history = [ASK, *first["output"], result]
-    second = await post(
-        g, "responses", {"input": history, "tools": tools, "max_output_tokens": 2, "store": False}
-    )
-    return [first["id"], second["id"]]
+    return [first["id"], await send_result(poster(g), "responses", ASK, first, tools)]
 
 
 async def messages(g: Gw) -> list[str]:
-    tools = [{"name": "get_weather", "description": DESCRIPTION, "input_schema": SCHEMA}]
+    tools = tools_in("messages", "get_weather", DESCRIPTION, SCHEMA)
     first = await post(g, "messages", {"messages": [ASK], "tools": tools, "max_tokens": 400})
     assert [block["type"] for block in first["content"]] == ["thinking", "tool_use"]
     thought, use = first["content"]
     assert thought["thinking"] == THOUGHT
     assert (use["name"], use["input"]) == CALL[0]
     assert first["stop_reason"] == "tool_use"
-    result = {"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"}
-    history = [
-        ASK,
-        {"role": "assistant", "content": first["content"]},
-        {"role": "user", "content": [result]},
-    ]
-    second = await post(g, "messages", {"messages": history, "tools": tools, "max_tokens": 2})
-    return [first["id"], second["id"]]
+    return [first["id"], await send_result(poster(g), "messages", ASK, first, tools)]
 
 
 async def test_reasoning_and_a_call_round_trip_in_every_protocol(g: Gw) -> None:
