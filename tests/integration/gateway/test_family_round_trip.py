@@ -31,6 +31,7 @@ TEMPLATES = REPO_ROOT / "tests" / "support" / "templates"
 FAMILIES = [
     "hermes",
     "qwen3_coder",
+    "llama3_json",
     "glm45",
     "minimax_m2",
     "deepseek_v31",

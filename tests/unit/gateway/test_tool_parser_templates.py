@@ -121,6 +121,7 @@ def test_a_familys_own_template_is_detected_and_its_calls_read_back(family: str)
         ("llama4_pythonic", "llama4_pythonic"),
         ("gpt_oss", "openai"),
         ("qwen3_coder", "qwen3_coder"),
+        ("llama3_json", "llama3_json"),
     ],
 )
 def test_each_familys_own_template_picks_its_parser_or_none(
