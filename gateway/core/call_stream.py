@@ -3,13 +3,17 @@ ends.
 
 A reply's calls are read when it ends (`tool_parsers`: a malformed call makes the whole reply
 text, which only the end decides), so under `tool_choice: auto` a call streams whole in the last
-chunk. A call forced by name is held by its grammar (`tool_grammars`): it cannot be malformed, its
-name is the one asked for and its arguments (a JSON object in the formats that declare
-`ToolCallParser.json_arguments`) are the first object the model writes after the prefill. Those
-stream as they come: `arguments_so_far` reads them from the sampled text.
+chunk. A forced call (`required`, or a tool by name) is held by its grammar (`tool_grammars`): it
+cannot be malformed, and in the formats whose arguments are a JSON object after the name
+(`ToolCallParser.json_arguments`) the reply starts as the parser's prefill for that tool's name,
+then the object. So the first call's name is known as soon as the reply matches one tool's named
+prefill, and its arguments stream as they come (`first_call_so_far`); later calls of a parallel
+reply come whole at its end.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 
 def arguments_so_far(text: str) -> tuple[str, bool]:
@@ -38,3 +42,16 @@ def arguments_so_far(text: str) -> tuple[str, bool]:
             if depth == 0:
                 return text[start : i + 1], True
     return text[start:], False
+
+
+def first_call_so_far(
+    text: str, names: Sequence[str], prefill: Callable[[str], str]
+) -> tuple[str, str] | None:
+    """(name, arguments so far) of the reply's first call, `text` the reply from its start (the
+    forced prefill included), `names` the tools it may call, `prefill(name)` how a call of
+    `name` starts; None while no tool's start is written whole."""
+    for name in names:
+        start = prefill(name)
+        if text.startswith(start):
+            return name, arguments_so_far(text[len(start) :])[0]
+    return None

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 
 from engines.base import SamplingParams
-from gateway.core.call_stream import arguments_so_far
+from gateway.core.call_stream import first_call_so_far
 from gateway.core.choices import ChoiceRun, RunGroup
 from gateway.core.reasoning_parsers import Split
 from gateway.core.recorder import ChoiceOutcome
@@ -311,38 +311,44 @@ class Turn:
         await self._commit(aborted=False)
         self._finish(aborted=False)
 
-    def _streamed_call(self, run: ChoiceRun, text: str) -> str | None:
-        """The arguments written so far of a call the reply is forced to make by name under its
-        grammar, in a format of JSON arguments; None for any other reply."""
+    def _streamed_call(self, run: ChoiceRun, text: str) -> tuple[str, str] | None:
+        """(name, arguments written so far) of the first call of a reply forced to call a tool
+        under its grammar, in a format of JSON arguments (`call_stream`); None for any other."""
         group = self._group_of(run)
-        prompt = group.prompt
-        if not isinstance(prompt, ChatPrompt) or prompt.tool_choice.mode != "named":
+        prompt, parser = group.prompt, self.context.parsers.tools
+        if not isinstance(prompt, ChatPrompt) or self.sampling.grammar is None:
             return None
-        if not self.context.parsers.tools.json_arguments or self.sampling.grammar is None:
+        choice = prompt.tool_choice
+        if choice.mode not in ("named", "required") or not parser.json_arguments:
             return None
-        return arguments_so_far(text[len(group.prefill) :])[0]
+        names = (
+            [choice.name]
+            if choice.mode == "named"
+            else [str(t["function"]["name"]) for t in prompt.tools]
+        )
+        return first_call_so_far(text[len(prompt.continues) :], names, parser.prefill)
 
     def _call_delta(self, run: ChoiceRun) -> CallDelta | None:
         group = self._group_of(run)
-        arguments = self._streamed_call(run, group.prefill + run.decoder.safe_text())
+        found = self._streamed_call(run, group.prefill + run.decoder.safe_text())
         sent = self.argued.get(run.index)
-        if not arguments or len(arguments) <= (sent or 0):
+        if found is None or len(found[1]) <= (sent or 0):
             return None
+        name, arguments = found
         ids = self._call_ids.setdefault(run.index, [])
         if not ids:
             ids.append(new_call_id(self.context.parsers.tools.call_ids))
         self.argued[run.index] = len(arguments)
-        assert isinstance(group.prompt, ChatPrompt)
-        name = group.prompt.tool_choice.name
         return CallDelta(ids[0], name, arguments[sent or 0 :], sent is None)
 
     def unsent_arguments(self, choice: Choice) -> str | None:
-        """The part of a streamed call's arguments not yet sent (None: its call was not
-        streamed, and goes whole in the last chunk)."""
+        """The part of the streamed first call's arguments not yet sent (None: no call was
+        streamed; the calls go whole in the last chunk)."""
         sent = self.argued.get(choice.index)
         if sent is None:
             return None
-        return (self._streamed_call(choice.run, self.full_text(choice.run)) or "")[sent:]
+        found = self._streamed_call(choice.run, self.full_text(choice.run))
+        return "" if found is None else found[1][sent:]
 
     def unsent(self, choice: Choice) -> str:
         """The part of a finished choice's content not yet streamed."""

@@ -3,7 +3,7 @@
 
 The stream is `message_start`, `ping`, then per content block `content_block_start`,
 `content_block_delta`... (`text_delta`, or one `input_json_delta` holding a tool call's whole
-input, as it is known only once the call is parsed; a call forced by name streams its input as it
+input, as it is known only once the call is parsed; a forced call streams its first input as it
 is sampled), `content_block_stop`, and last
 `message_delta` (stop reason, output tokens) and `message_stop`; a failure after the stream
 began is an `error` event in Anthropic's shape. `stop_reason` is `end_turn`, `max_tokens`,
@@ -251,11 +251,16 @@ async def _stream(turn: Turn) -> AsyncIterator[str]:
         choice = turn.choices[0]
         final = message(turn, choice)
         streamed = turn.unsent_arguments(choice)
+        open_use = blocks.open == "tool_use"  # the first call, streamed as it was sampled
         for block in final["content"]:
             kind = block["type"]
-            if streamed is not None and kind != "thinking":  # the streamed call's block
-                if kind == "tool_use" and streamed:
+            if streamed is not None and kind == "text":
+                continue  # a forced reply has no text but a call its limit cut
+            if open_use and kind == "tool_use":
+                open_use = False
+                if streamed:
                     yield blocks.delta({"type": "input_json_delta", "partial_json": streamed})
+                yield blocks.stop()
                 continue
             if kind == "thinking":
                 if rest := turn.unsent_reasoning(choice):

@@ -241,9 +241,13 @@ def _stream(turn: Turn, body: ChatCompletionRequest) -> AsyncIterator[str]:
         if thought := turn.unsent_reasoning(c):
             tail["reasoning_content"] = thought
         streamed = turn.unsent_arguments(c)
-        if streamed is not None:  # the call streamed: the rest of its arguments, if any
+        if streamed is not None:  # the first call streamed: the rest of it, then the others
+            more: list[dict[str, Any]] = []
             if streamed:
-                tail["tool_calls"] = [{"index": 0, "function": {"arguments": streamed}}]
+                more.append({"index": 0, "function": {"arguments": streamed}})
+            more += [{"index": k, **t} for k, t in enumerate(_tool_calls(c)) if k > 0]
+            if more:
+                tail["tool_calls"] = more
         elif c.tool_calls:
             tail["tool_calls"] = [{"index": k, **t} for k, t in enumerate(_tool_calls(c))]
         elif rest := turn.unsent(c):

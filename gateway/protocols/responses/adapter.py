@@ -8,7 +8,7 @@ does. The stream is `response.created`, `response.in_progress`, then per output 
 `response.output_item.added`, (for a message) `response.content_part.added`,
 `response.output_text.delta`..., `response.output_text.done`, `response.content_part.done`, (for a
 function call) `response.function_call_arguments.delta` and `.done`, then
-`response.output_item.done` (a call forced by name opens its item and streams its arguments as
+`response.output_item.done` (a forced call opens its first item and streams its arguments as
 they are sampled), and last `response.completed` (`response.incomplete` when it stopped at
 `max_output_tokens`), or `response.failed` when the engine fails after the stream began. Every event
 carries its `sequence_number`.
@@ -227,7 +227,7 @@ class _Events:
         """The reasoning item was closed (the answer's text began)."""
         self.reasoning = ""
         self.streamed: JSON | None = None
-        """The function call item streaming as it is sampled (a call forced by name)."""
+        """The function call item streaming as it is sampled (a forced call's first)."""
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": next(self.seq), **fields}

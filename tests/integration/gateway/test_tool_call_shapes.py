@@ -6,6 +6,7 @@ engine replays a fixed reply (`tests/support/replay_engine.py`) behind the real 
   Anthropic's `disable_parallel_tool_use`) the reply stops at the end of the first, so the
   second is never sampled, let alone trained.
 - A malformed call stays text, with its finish reason: nothing the model wrote is dropped.
+- Streamed under `auto`, calls come whole in the last chunk (only the end decides them).
 """
 
 from __future__ import annotations
@@ -148,3 +149,35 @@ async def test_a_malformed_call_stays_text_with_its_finish_reason(
     assert text_of(protocol, answer) == MALFORMED
     stop = {"chat": "stop", "responses": "completed", "messages": "end_turn"}[protocol]
     assert finish_of(protocol, answer) == stop
+
+
+async def streamed_chat(tiny_model: Path, tmp_path: Path, reply: str) -> list[dict[str, Any]]:
+    """The chunks of a streamed chat turn whose model says `reply`, under `tool_choice: auto`."""
+    async with gateway(tiny_model, tmp_path, reply) as http:
+        run = await http.post("/runs", json={"name": "t"}, headers=ADMIN)
+        path = f"/runs/{run.json()['id']}/sessions"
+        s = (await http.post(path, json={"count": 1}, headers=ADMIN)).json()["sessions"][0]
+        r = await http.post(
+            f"/sessions/{s['id']}/v1/chat/completions",
+            json=BODIES["chat"][1] | {"stream": True},
+            headers={"Authorization": f"Bearer {s['api_key']}"},
+        )
+    assert r.status_code == 200, r.text
+    lines = [line.removeprefix("data: ") for line in r.text.splitlines()]
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+async def test_under_auto_streamed_calls_come_whole_at_the_end(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A reply's calls are decided when it ends: two calls come in the last chunk, never before,
+    and a malformed one never comes as a call at all (it is the reply's text). A call forced by
+    a grammar streams as it is sampled instead (`test_forced_tool_calls.py`)."""
+    chunks = await streamed_chat(tiny_model, tmp_path, TWO_CALLS)
+    carrying = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("tool_calls")]
+    assert [c["choices"][0]["finish_reason"] for c in carrying] == ["tool_calls"]
+    assert len(carrying[0]["choices"][0]["delta"]["tool_calls"]) == 2
+    chunks = await streamed_chat(tiny_model, tmp_path, MALFORMED)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert not any(d.get("tool_calls") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == MALFORMED

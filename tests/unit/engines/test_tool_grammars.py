@@ -16,6 +16,7 @@ import pytest
 from engines.base import FinishReason, GenerateRequest, SamplingParams
 from engines.local import LocalEngine
 from engines.tiny_model import load_tokenizer
+from gateway.core.call_stream import first_call_so_far
 from gateway.core.tool_parsers import TOOL_PARSERS, ToolCallParser
 
 WEATHER = {
@@ -133,3 +134,30 @@ def test_a_tool_schema_that_cannot_be_held_is_refused_by_name() -> None:
     bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
     with pytest.raises(GrammarError):
         lark_grammar(TOOL_PARSERS["hermes"]().grammar(bad, "f", True, {}))
+
+
+STREAMED = [n for n in HELD if TOOL_PARSERS[n]().json_arguments]
+
+
+@pytest.mark.parametrize("parser_name", STREAMED)
+@pytest.mark.parametrize("name", [None, "get_weather"])
+async def test_a_forced_calls_first_call_reads_as_it_streams(
+    shared_engine: LocalEngine, tiny_model: Path, parser_name: str, name: str | None
+) -> None:
+    """What a stream sends of a forced call before the reply ends (`call_stream`): the reply
+    starts as the parser's prefill for one tool's name, and the object after it, read at every
+    token, grows into the arguments the parser reads at the end."""
+    parser = TOOL_PARSERS[parser_name]()
+    prefill = parser.prefill(name)
+    grammar = parser.grammar(TOOLS, name, True, marks(tiny_model))
+    sp = SamplingParams(temperature=1.0, seed=5, max_new_tokens=1500, grammar=grammar)
+    text, _ = await sample(shared_engine, tiny_model, prefill, sp)
+    names = [name] if name else list(SCHEMAS)
+    _, [first, *_] = parser.parse(prefill + text, TOOLS)
+    seen = [first_call_so_far(prefill + text[:k], names, parser.prefill) for k in range(len(text))]
+    grown = [s[1] for s in seen if s is not None]
+    assert grown
+    assert all(a.startswith(b) for a, b in zip(grown[1:], grown, strict=False))
+    final = first_call_so_far(prefill + text, names, parser.prefill)
+    assert final is not None
+    assert (final[0], json.loads(final[1])) == (first.name, json.loads(first.arguments))
