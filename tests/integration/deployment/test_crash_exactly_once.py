@@ -1,8 +1,9 @@
 """Every trajectory is trained exactly once into weights that survive, whenever the trainer dies:
 a separate `rlgateway train` SIGKILLed before its first checkpoint, in the middle of a step, and
 after a checkpoint while the gateway already serves a newer version, then started again against
-the same live `rlgateway serve`. Agents keep running throughout (a thread of them), as a user's
-would; the count comes from the store."""
+the same live `rlgateway serve`. Agents run in a thread, as a user's would (where the kill must
+land between two steps, they stop after two steps' worth, and resume once the lost sessions are
+trained again); the count comes from the store."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ BATCH = 4
 
 
 @contextlib.contextmanager
-def agents(gw: GatewayHandle, run_id: str) -> Iterator[None]:
+def agents(gw: GatewayHandle, run_id: str, groups: int | None = None) -> Iterator[None]:
     """Agents in a thread: GRPO groups of 2 (a chat turn, a reward, the end), one after another,
-    waiting while the gateway's admission says 429, until the block exits."""
+    waiting while the gateway's admission says 429, until the block exits (or `groups` are
+    done)."""
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -35,7 +37,7 @@ def agents(gw: GatewayHandle, run_id: str) -> Iterator[None]:
         g = 0
         try:
             with httpx.Client(base_url=gw.url, headers=gw.admin_headers, timeout=60) as admin:
-                while not stop.is_set():
+                while not stop.is_set() and (groups is None or g < groups):
                     r = admin.post(
                         f"/runs/{run_id}/sessions", json={"count": 2, "group_id": f"g{g}"}
                     )
@@ -81,6 +83,10 @@ def states(db: Path, run_id: str) -> dict[str, tuple[str, int | None, str | None
     return {sid: (state, step, outcome) for sid, state, step, outcome in rows}
 
 
+def consumed(db: Path, run_id: str) -> set[str]:
+    return {sid for sid, (state, _, _) in states(db, run_id).items() if state == "consumed"}
+
+
 def assert_exactly_once(db: Path, run_id: str, steps: int, *, stale: bool = False) -> None:
     """Each of steps 1..`steps` (of the surviving weights) trained one batch of whole groups;
     nothing was dropped (but, where `stale` allows it, trajectories sampled by lost weights too
@@ -120,17 +126,22 @@ def test_killed_before_its_first_checkpoint(tiny_model: Path, tmp_path: Path) ->
         config = crashed_config(tmp_path, gw, run_id, max_steps=3, checkpoint_every=3)
         first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
         logs = [first_log, second_log, gw.log_path]
-        with agents(gw, run_id):
-            with trainer(config, first_log, gw.url) as first:
-                wait_until(lambda: last_step(db, run_id) >= 2, "step 2", logs)
-                first.send_signal(signal.SIGKILL)
-                first.wait()
-            assert not list((tmp_path / "ckpt").glob("step-*"))
-            trained_by_lost = {
-                sid for sid, (state, _, _) in states(db, run_id).items() if state == "consumed"
-            }
-            assert len(trained_by_lost) >= 2 * BATCH
-            with trainer(config, second_log, gw.url) as second:
+        # two steps' worth of groups, so the first trainer reaches step 2 and can never start
+        # step 3 (whose end would checkpoint) before the kill lands
+        first_agents = agents(gw, run_id, groups=2 * BATCH // 2)
+        with first_agents, trainer(config, first_log, gw.url) as first:
+            wait_until(lambda: last_step(db, run_id) >= 2, "step 2", logs)
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+        assert last_step(db, run_id) == 2
+        assert not list((tmp_path / "ckpt").glob("step-*"))
+        trained_by_lost = consumed(db, run_id)
+        assert len(trained_by_lost) == 2 * BATCH
+        with trainer(config, second_log, gw.url) as second:
+            # the lost sessions go back and are trained again first; agents then feed step 3
+            wait_until(lambda: "go back" in second_log.read_text(), "the lost sessions back", logs)
+            wait_until(lambda: consumed(db, run_id) >= trained_by_lost, "steps 1 and 2", logs)
+            with agents(gw, run_id):
                 assert second.wait(timeout=180) == 0, second_log.read_text()
         out = second_log.read_text()
         assert f"{len(trained_by_lost)} sessions trained after step 0 go back" in out, out
