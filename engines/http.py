@@ -89,12 +89,15 @@ class EngineHTTP:
         self.timeout = timeout
         self._draining: dict[asyncio.Task[None], aiohttp.ClientResponse] = {}
         """Bodies being read to their end in the background, by the task reading each."""
+        self._closed = False
         self._pooled: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
         """Opens a new connection for every request: for the resend of a request whose kept-alive
         connection was closed under it."""
 
     def _session(self, *, fresh: bool = False) -> aiohttp.ClientSession:
+        if self._closed:  # a pool opened after `close` would never be closed
+            raise aiohttp.ClientConnectionError("closed")
         session = self._fresh if fresh else self._pooled
         if session is None or session.closed:
             session = aiohttp.ClientSession(
@@ -190,6 +193,7 @@ class EngineHTTP:
         self._draining.pop(task, None)
 
     async def close(self) -> None:
+        self._closed = True
         draining = dict(self._draining)
         for task in draining:
             task.cancel()

@@ -237,7 +237,9 @@ class LocalEngine:
             if consumer is None:
                 consumer = self._consumers[loop] = _LoopConsumer(loop)
         queue: asyncio.Queue[_Item] = asyncio.Queue()
-        consumer.queues[request.request_id] = queue
+        if consumer.queues.setdefault(request.request_id, queue) is not queue:
+            # the live request's queue stays: replacing it would leave that request unanswered
+            raise InvalidRequestError(f"request id {request.request_id!r} is already live")
         try:
             self.submit(request, consumer)
         except BaseException:

@@ -56,6 +56,8 @@ STARTED_GRACE_S = 5.0
 """How long a weight update waits for sub-requests on the wire to reach the server."""
 PAUSED_RETRY_S = 0.05
 """Back-off before resending a sub-request that a paused server refused (503)."""
+CLOSE_S = 10.0
+"""How long `close` waits for the streams it aborted to take their last piece."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,8 @@ class _Live:
     aborted: bool = False
     sub_id: str | None = None
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when its stream has given its last chunk (or failed) and let go of the server."""
 
 
 class RemoteEngine(abc.ABC):
@@ -276,7 +280,11 @@ class RemoteEngine(abc.ABC):
         produced: list[int] = []
         try:
             while True:
-                await self._wait_gate()
+                try:
+                    await self._wait_gate()
+                except EngineUnavailableError:  # closed: an aborted request still ends as one
+                    if not live.aborted:
+                        raise
                 if live.aborted:
                     yield TokenChunk((), (), (), FinishReason.ABORT)
                     return
@@ -322,6 +330,7 @@ class RemoteEngine(abc.ABC):
                     return
         finally:
             self._live.pop(request.request_id, None)
+            live.ended.set()
 
     async def _wait_gate(self) -> None:
         while not self._gate.is_set():
@@ -393,6 +402,11 @@ class RemoteEngine(abc.ABC):
             raise
 
     async def health(self) -> EngineHealth:
+        if self._closed:
+            return EngineHealth(
+                ok=False, paused=False, version=self._version, running=0, waiting=0,
+                detail=f"the engine for {self.url} is closed",
+            )  # fmt: skip
         try:
             ok, running, waiting, detail = await self._probe()
         except EngineUnavailableError as exc:
@@ -436,9 +450,18 @@ class RemoteEngine(abc.ABC):
         if self._closed:
             return
         self._closed = True
+        live = list(self._live.values())
+        for each in live:  # before waking the waiters: each ends as aborted, not as an error
+            each.aborted = True
         self._gate.set()  # wake waiters, who then see `_closed`
-        for request_id in list(self._live):
-            await self.abort(request_id)
+        await asyncio.gather(
+            *(self._abort_sub(each.sub_id) for each in live if each.sub_id),
+            return_exceptions=True,
+        )
+        # Their streams take the server's last piece and end, then the connections close: closed
+        # under a stream, the pool would end it with an error instead of its aborted finish.
+        if live:
+            await asyncio.wait([asyncio.create_task(e.ended.wait()) for e in live], timeout=CLOSE_S)
         await self.http.close()
 
     @property

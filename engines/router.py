@@ -49,7 +49,7 @@ from engines.base import (
     WeightGroupMember,
     WeightUpdate,
 )
-from engines.errors import EngineUnavailableError, WeightUpdateError
+from engines.errors import EngineUnavailableError, InvalidRequestError, WeightUpdateError
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,7 @@ class Router:
         request.validate()
         if self._closed:
             raise EngineUnavailableError("the router is closed")
+        self._check_not_live(request.request_id)
         backend = self.pick(request)
         first = backend.engine.generate(request)  # raises InvalidRequestError here
         return self._stream(request, backend, first)
@@ -183,6 +184,8 @@ class Router:
     async def _stream(
         self, request: GenerateRequest, backend: Backend, stream: AsyncIterator[TokenChunk]
     ) -> AsyncIterator[TokenChunk]:
+        # checked again here, where it is registered: a stream never iterated leaves nothing
+        self._check_not_live(request.request_id)
         tried = {self.backends.index(backend)}
         while True:
             produced = False
@@ -213,6 +216,12 @@ class Router:
                 self._where.pop(request.request_id, None)
                 async with self._idle:
                     self._idle.notify_all()
+
+    def _check_not_live(self, request_id: str) -> None:
+        """Ids are unique among live requests across the servers, not only on one: a second
+        request under a live id would take the first one's place in `_where` (its aborts)."""
+        if request_id in self._where:
+            raise InvalidRequestError(f"request id {request_id!r} is already live")
 
     async def abort(self, request_id: str) -> None:
         backend = self._where.get(request_id)
@@ -280,8 +289,14 @@ class Router:
             failed = [
                 (b, r) for b, r in zip(backends, results, strict=True) if isinstance(r, Exception)
             ]
+            refused = len(failed) == len(backends) and all(
+                isinstance(err, WeightUpdateError) for _, err in failed
+            )
             for b, err in failed:
-                self._mark_failed(b, err)
+                # every server refused the same weights: the update is bad, not the servers,
+                # and each serves on at the old version (`WeightUpdateError`'s promise)
+                if not refused:
+                    self._mark_failed(b, err)
             if not self._paused:
                 await asyncio.gather(
                     *(b.engine.resume() for b in backends if b.healthy), return_exceptions=True

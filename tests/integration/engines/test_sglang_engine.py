@@ -1,5 +1,8 @@
 """The SGLang adapter against `tests/support/fake_sglang.py` (SGLang's documented HTTP shapes,
-real generation with the tiny model through transformers), and against real SGLang on a GPU.
+real generation with the tiny model through transformers), and against real SGLang on a GPU:
+what only this adapter does (resubmission across weight updates, in-process state dicts, the
+weight group, constrained decoding). Generation, abort, pause and the rest of the engine contract
+are checked on every engine in `test_engine_contract.py`.
 
 Logprobs are checked against a teacher-forced transformers pass on the same tokens, so the
 adapter's parsing of streamed, cumulative `output_token_logprobs` is checked token for token.
@@ -64,46 +67,6 @@ def teacher_forced(model_dir: Path, tokens: list[int], temperature: float) -> li
 
 async def connect(url: str) -> SGLangEngine:
     return await SGLangEngine.connect(SGLangEngineConfig(url=url))
-
-
-async def test_tokens_and_logprobs_are_the_models(fake: FakeServer, tiny_model: Path) -> None:
-    engine = await connect(fake.url)
-    try:
-        assert engine.max_model_len == 2048
-        sampling = SamplingParams(
-            temperature=0.7, seed=4, max_new_tokens=12, top_logprobs=2, ignore_eos=True
-        )
-        r = await collect(engine, GenerateRequest(prompt_ids=PROMPT, sampling=sampling))
-        again = await collect(engine, GenerateRequest(prompt_ids=PROMPT, sampling=sampling))
-    finally:
-        await engine.close()
-    assert r.finish_reason == FinishReason.LENGTH
-    assert len(r.token_ids) == len(r.logprobs) == len(r.top_logprobs) == 12
-    assert again.token_ids == r.token_ids  # sampling_seed reproduces
-    expected = teacher_forced(tiny_model, list(PROMPT + r.token_ids), 0.7)[len(PROMPT) :]
-    assert list(r.logprobs) == pytest.approx(expected, abs=ATOL)
-    assert set(r.versions) == {0}
-    for top in r.top_logprobs:
-        assert top[0][1] >= top[1][1]
-
-
-async def test_abort_mid_generation_returns_the_partial_output(fake: FakeServer) -> None:
-    engine = await connect(fake.url)
-    try:
-        req = GenerateRequest(
-            prompt_ids=PROMPT, sampling=SamplingParams(max_new_tokens=1500, ignore_eos=True)
-        )
-        got: list[int] = []
-        finish = None
-        async for chunk in engine.generate(req):
-            got += chunk.token_ids
-            finish = chunk.finish_reason
-            if len(got) >= 3 and finish is None:
-                await engine.abort(req.request_id)
-        assert finish == FinishReason.ABORT
-        assert 3 <= len(got) < 1500
-    finally:
-        await engine.close()
 
 
 async def test_weight_update_from_disk_resubmits_in_flight_requests(
@@ -219,37 +182,6 @@ async def test_weights_over_a_process_group(tiny_model: Path, trained_dir: Path)
     tokens = list(PROMPT + r.token_ids)
     new = teacher_forced(trained_dir, tokens, 1.0)[len(PROMPT) :]
     assert list(r.logprobs) == pytest.approx(new, abs=ATOL)
-
-
-async def test_pause_holds_requests_and_resume_continues_them(fake: FakeServer) -> None:
-    engine = await connect(fake.url)
-    try:
-        sampling = SamplingParams(max_new_tokens=200, ignore_eos=True)
-        req = GenerateRequest(prompt_ids=PROMPT, sampling=sampling)
-        chunks: list[Any] = []
-
-        async def consume() -> None:
-            async for chunk in engine.generate(req):
-                chunks.append(chunk)
-
-        task = asyncio.create_task(consume())
-        while not chunks:  # the first tokens are out: pause now, mid-request
-            await asyncio.sleep(0.005)
-        await engine.pause()
-        assert (await engine.health()).paused
-        await asyncio.sleep(0.3)  # tokens already in flight may still arrive
-        held = len(chunks)
-        await asyncio.sleep(0.3)
-        assert len(chunks) == held, "tokens kept coming while the engine was paused"
-        assert not task.done()
-        await engine.resume()
-        await task
-        tokens = [t for c in chunks for t in c.token_ids]
-        assert chunks[-1].finish_reason == FinishReason.LENGTH
-        assert len(tokens) == 200
-        assert {v for c in chunks for v in c.versions} == {0}
-    finally:
-        await engine.close()
 
 
 # -- real SGLang (GPU machines) ---------------------------------------------------------------
