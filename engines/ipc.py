@@ -30,7 +30,8 @@ from engines.base import EngineHealth, GenerateRequest
 if TYPE_CHECKING:
     import torch
 
-    from engines.local import EngineStats, LocalEngineConfig
+    from engines.local import LocalEngineConfig
+    from engines.local_worker import EngineStats
 
 ErrorKind = Literal["invalid", "unavailable", "failed", "weight_update"]
 """Which `engines.errors` class a failure maps back to on the gateway's side."""

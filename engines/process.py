@@ -77,7 +77,8 @@ from engines.process_child import (
 )
 
 if TYPE_CHECKING:
-    from engines.local import EngineStats, LocalEngineConfig
+    from engines.local import LocalEngineConfig
+    from engines.local_worker import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class ProcessEngine:
         restart: RestartPolicy,
         start_s: float,
     ) -> None:
-        from engines.local import EngineStats
+        from engines.local_worker import EngineStats
 
         ready = child.ready
         self.config = config
@@ -497,7 +498,7 @@ class ProcessEngine:
 
     def _start_child(self) -> Child:
         """A new child on the current weights and version, paused if the engine is."""
-        from engines.local import EngineStats
+        from engines.local_worker import EngineStats
 
         child = spawn(self.config, self._threads_asked)
         with self._lock:

@@ -55,7 +55,7 @@ from engines.ipc import (
 if TYPE_CHECKING:
     import concurrent.futures
 
-    from engines.local import LocalEngine, _Item
+    from engines.local_worker import LocalWorker, _Item
 
 log = logging.getLogger("engines.process_main")
 
@@ -80,7 +80,7 @@ class _Sender:
 class _PipeConsumer:
     """Every request of this process goes to the gateway: one `Step` message per engine step."""
 
-    def __init__(self, engine: LocalEngine, sender: _Sender) -> None:
+    def __init__(self, engine: LocalWorker, sender: _Sender) -> None:
         self.engine = engine
         self.sender = sender
 
@@ -117,7 +117,7 @@ def _kind(exc: BaseException) -> ErrorKind:
 
 
 class _Server:
-    def __init__(self, engine: LocalEngine, sender: _Sender) -> None:
+    def __init__(self, engine: LocalWorker, sender: _Sender) -> None:
         self.engine = engine
         self.sender = sender
         self.consumer = _PipeConsumer(engine, sender)
@@ -196,7 +196,7 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(start.threads)
     try:
-        engine = LocalEngine.load(start.config)
+        engine = LocalEngine.load(start.config).worker  # the pipe drives the worker itself
     except Exception as exc:
         sender.send(StartFailed("value" if isinstance(exc, ValueError) else "other", repr(exc)))
         return 1
@@ -223,7 +223,7 @@ def main(argv: list[str]) -> int:
             return 0
 
 
-def _exit_if_failed(engine: LocalEngine) -> None:
+def _exit_if_failed(engine: LocalWorker) -> None:
     """Exit the process once the engine's worker has failed. The worker sent every request's
     failure before it stopped; an engine that failed cannot serve again, a fresh process can."""
     failure = engine.wait_stopped()

@@ -22,7 +22,8 @@ from engines.errors import (
     WeightUpdateError,
 )
 from engines.limits import MAX_POLICY_VERSION
-from engines.local import MAX_FAILED_STEPS, LocalEngine
+from engines.local import LocalEngine
+from engines.local_worker import MAX_FAILED_STEPS
 from tests.support.local_engine import (
     PROMPTS,
     corrupt_dirs,
