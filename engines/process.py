@@ -13,26 +13,24 @@ core; this side keeps only what the gateway needs to be fast and correct without
 - `update_weights` with a state dict copies it once into shared memory (`engines.ipc.WeightStage`)
   and sends only the layout; a directory is sent by path.
 
-Supervision: when the child dies (a crash, `kill -9`, the OOM killer, or its engine failing),
-every live stream and pending call fails with `EngineUnavailableError` (the gateway answers 503,
-with `Retry-After` from the error's `retry_after`), and so does every call until a new child is
-up. The reader thread of the dead child then starts a new one itself, after a backoff
-(`RestartPolicy`), with the current weights: the last update that was applied (a directory by its
-path, a state dict from the copy the stage keeps) at its version, and paused if the engine was.
-More deaths than the policy allows within its window and the engine stays down. `health()` says
-why while it is down, and counts the restarts.
+Supervision (`engines.process_supervisor`, apart from this client): when the child dies (a crash,
+`kill -9`, the OOM killer, or its engine failing), every live stream and pending call fails with
+`EngineUnavailableError` (the gateway answers 503, with `Retry-After` from the error's
+`retry_after`), and so does every call until a new child is up. The reader thread of the dead
+child then starts a new one itself, after a backoff (`RestartPolicy`), with the current weights:
+the last update that was applied (a directory by its path, a state dict from the copy the stage
+keeps) at its version, and paused if the engine was (`_start_child`). More deaths than the policy
+allows within its window and the engine stays down. `health()` says why while it is down, and
+counts the restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import itertools
 import logging
-import subprocess
-import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -75,6 +73,7 @@ from engines.process_child import (
     default_threads,
     spawn,
 )
+from engines.process_supervisor import Supervisor, post, settle
 
 if TYPE_CHECKING:
     from engines.local import LocalEngineConfig
@@ -111,37 +110,29 @@ class ProcessEngine:
         ready = child.ready
         self.config = config
         self.restart = restart
-        self.pid = child.pid
-        """The engine process's pid (the newest one's, after a restart)."""
         self.eos_token_ids = ready.eos_token_ids
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.threads = ready.threads
         self.stats: EngineStats = EngineStats()
         """The child's batching counters as of its last step (a new child starts from zero)."""
-        self.restarts = 0
-        """Engine processes started after one died."""
         self._threads_asked = threads
-        self._start_s = start_s
-        """How long the last start took: what a restart is expected to take."""
         self._version = ready.version
-        self._lock = threading.Lock()
-        self._child: Child | None = child
-        self._down: str | None = None
-        """Why the engine is not serving (None while a child is up)."""
-        self._retry_at: float | None = None
-        """When (monotonic) a new child is expected to be up; None when none is coming."""
-        self._deaths: collections.deque[float] = collections.deque()
-        self._closing = False
         self._paused = False
         self._applied: Applied | None = None
         self._call_ids = itertools.count()
         self._stage = WeightStage()
         self._update_lock = asyncio.Lock()
-        self._wake = threading.Event()
-        """Set by `close`: a restart waiting out its backoff gives up."""
-        self._readers: list[threading.Thread] = []
-        self._watch(child)
+        self._sup = Supervisor(
+            child,
+            policy=restart,
+            start_s=start_s,
+            start=self._start_child,
+            dispatch=self._dispatch,
+            on_up=self._on_up,
+        )
+        self._lock = self._sup.lock
+        self._sup.start()
 
     @classmethod
     def load(
@@ -166,6 +157,16 @@ class ProcessEngine:
             start_s=time.monotonic() - started,
         )
 
+    @property
+    def pid(self) -> int:
+        """The engine process's pid (the newest one's, after a restart)."""
+        return self._sup.pid
+
+    @property
+    def restarts(self) -> int:
+        """Engine processes started after one died."""
+        return self._sup.restarts
+
     # -- the Engine protocol -----------------------------------------------------------------
 
     def version(self) -> int:
@@ -179,7 +180,7 @@ class ProcessEngine:
         rid = request.request_id
         stream = Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            child = self._up()
+            child = self._sup.up()
             if rid in child.live:
                 raise InvalidRequestError(f"request id {rid!r} is already live")
             child.live[rid] = stream
@@ -199,8 +200,8 @@ class ProcessEngine:
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
-            child = self._child
-            live = child is not None and request_id in child.live and not self._closing
+            child = self._sup.child
+            live = child is not None and request_id in child.live and not self._sup.closing
         if live:
             assert child is not None
             with contextlib.suppress(EngineUnavailableError):  # gone already: nothing to abort
@@ -246,7 +247,7 @@ class ProcessEngine:
 
     async def health(self) -> EngineHealth:
         with self._lock:
-            up = self._child is not None and not self._closing
+            up = self._sup.child is not None and not self._sup.closing
         if up:
             try:
                 health: EngineHealth = await self._call(lambda call_id: Control(call_id, "health"))
@@ -254,11 +255,11 @@ class ProcessEngine:
             except EngineUnavailableError:
                 pass  # it died during the call: report it down
         with self._lock:
-            if self._down is not None:
-                detail = self._down
-            elif self._closing:
+            if self._sup.down is not None:
+                detail = self._sup.down
+            elif self._sup.closing:
                 detail = "the engine process is closed"
-            else:  # it died under this call; its exit is being handled (then `_down` says how)
+            else:  # it died under this call; its exit is being handled (then `down` says how)
                 detail = f"the engine process (pid {self.pid}) is gone"
         return EngineHealth(
             ok=False,
@@ -272,10 +273,7 @@ class ProcessEngine:
 
     async def close(self) -> None:
         """Abort every live request, stop the child (and any restart) and wait. Idempotent."""
-        with self._lock:
-            closing, self._closing = self._closing, True
-            child = self._child
-        self._wake.set()
+        closing, child = self._sup.begin_close()
         if closing:
             return
         if child is not None:
@@ -284,34 +282,10 @@ class ProcessEngine:
         await asyncio.to_thread(self._stop)
 
     def _stop(self) -> None:
-        with self._lock:
-            child = self._child
-        if child is not None:
-            try:
-                child.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                log.warning("the engine process (pid %d) did not exit; killing it", child.pid)
-                child.proc.kill()
-        for reader in list(self._readers):  # a reader that restarts a child may add one
-            reader.join(timeout=60)
+        self._sup.stop()
         self._stage.close()
 
     # -- talking to the child ------------------------------------------------------------------
-
-    def _up(self) -> Child:
-        """The child now serving, or `EngineUnavailableError` saying why there is none. Called
-        with `_lock` held."""
-        if self._closing:
-            raise EngineUnavailableError("the engine process is closed")
-        if self._child is None:
-            assert self._down is not None
-            raise EngineUnavailableError(self._down, retry_after=self._retry_after())
-        return self._child
-
-    def _retry_after(self) -> float | None:
-        if self._retry_at is None:
-            return None
-        return max(1.0, self._retry_at - time.monotonic())
 
     def _set_applied(self, applied: Applied) -> None:
         with self._lock:
@@ -327,7 +301,8 @@ class ProcessEngine:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         with self._lock:
-            child = self._child if closing and self._child is not None else self._up()
+            child = self._sup.child if closing and self._sup.child is not None else None
+            child = child or self._sup.up()
             call_id = next(self._call_ids)
             child.calls[call_id] = PendingCall(loop, future, on_success)
         try:
@@ -338,36 +313,12 @@ class ProcessEngine:
             raise
         return await future
 
-    def _watch(self, child: Child) -> None:
-        reader = threading.Thread(
-            target=self._read, args=(child,), name="rlgateway-engine-reader", daemon=True
-        )
-        self._readers.append(reader)
-        reader.start()
-
-    def _read(self, child: Child) -> None:
-        """The reader thread of `child`: dispatch its messages until its end closes, then fail
-        what was in flight on it and, unless closing, start a new child. It takes whatever has
-        arrived in one read, so a busy event loop (holding the GIL) costs it one GIL hand-over
-        per batch of steps, not one per step."""
-        try:
-            while True:
-                for msg in child.frames.read():
-                    if isinstance(msg, Step):
-                        self._on_step(child, msg)
-                    elif isinstance(msg, Reply):
-                        self._on_reply(child, msg)
-                    else:
-                        raise TypeError(f"unexpected message {type(msg).__name__}")
-        except (EOFError, OSError):
-            pass
-        except BaseException:
-            log.exception("the engine reader failed; stopping its engine process")
-            with contextlib.suppress(ProcessLookupError):
-                child.proc.kill()
-        delay = self._on_exit(child)
-        if delay is not None:
-            self._restart_after(delay)
+    def _dispatch(self, child: Child, msg: Step | Reply) -> None:
+        """A message of `child`, on its reader thread."""
+        if isinstance(msg, Step):
+            self._on_step(child, msg)
+        else:
+            self._on_reply(child, msg)
 
     def _on_step(self, child: Child, msg: Step) -> None:
         self._version = msg.version
@@ -387,7 +338,7 @@ class ProcessEngine:
                 stream = live.pop(rid, None)
                 if stream is not None:
                     by_loop[stream.loop].append((stream.queue, _error(kind, message, retry_after)))
-        _post(by_loop)
+        post(by_loop)
 
     def _on_reply(self, child: Child, msg: Reply) -> None:
         with self._lock:
@@ -401,100 +352,11 @@ class ProcessEngine:
             if call.on_success is not None:
                 call.on_success(msg.value)
         with contextlib.suppress(RuntimeError):
-            call.loop.call_soon_threadsafe(_settle, call.future, result)
+            call.loop.call_soon_threadsafe(settle, call.future, result)
 
-    def _on_exit(self, child: Child) -> float | None:
-        """`child` is gone: fail what it held; return the backoff before a restart, or None
-        when there is to be none (closing, or too many deaths)."""
-        code = child.proc.wait()
-        child.sock.close()
-        with self._lock:
-            if self._child is child:
-                self._child = None
-            delay = None
-            if self._closing:
-                reason = "the engine process is closed"
-                self._down = reason
-            else:
-                reason = f"the engine process (pid {child.pid}) exited with code {code}"
-                delay = self._plan_restart(reason)
-                log.error("%s", self._down)
-            retry_after = self._retry_after()
-            streams, child.live = list(child.live.values()), {}
-            calls, child.calls = list(child.calls.values()), {}
-        error = self._down or reason
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Item], Item]]] = (
-            defaultdict(list)
-        )
-        for stream in streams:
-            by_loop[stream.loop].append(
-                (stream.queue, EngineUnavailableError(error, retry_after=retry_after))
-            )
-        _post(by_loop)
-        for call in calls:
-            with contextlib.suppress(RuntimeError):
-                call.loop.call_soon_threadsafe(
-                    _settle, call.future, EngineUnavailableError(error, retry_after=retry_after)
-                )
-        return delay
-
-    def _plan_restart(self, reason: str) -> float | None:
-        """Count a death (or a failed start) and set `_down`; the backoff before the next start,
-        or None when the policy allows no more. Called with `_lock` held."""
-        policy = self.restart
-        now = time.monotonic()
-        while self._deaths and now - self._deaths[0] > policy.window_s:
-            self._deaths.popleft()
-        if len(self._deaths) >= policy.max_restarts:
-            self._down = (
-                f"{reason}; it died {len(self._deaths) + 1} times within {policy.window_s:.0f} s, "
-                "so it is not started again: restart the gateway"
-            )
-            self._retry_at = None
-            return None
-        delay = min(policy.backoff_s * 2.0 ** len(self._deaths), policy.max_backoff_s)
-        self._deaths.append(now)
-        self._down = f"{reason}; restarting it (restart {self.restarts + 1})"
-        self._retry_at = now + delay + self._start_s
-        return delay
-
-    def _restart_after(self, delay: float) -> None:
-        """Start new children until one is up (with the current weights), the policy gives up,
-        or the engine closes."""
-        while not self._wake.wait(delay):
-            started = time.monotonic()
-            try:
-                child = self._start_child()
-            except Exception as exc:
-                log.exception("restarting the engine process failed")
-                with self._lock:
-                    next_delay = self._plan_restart(f"restarting the engine process failed: {exc}")
-                if next_delay is None:
-                    log.error("%s", self._down)
-                    return
-                delay = next_delay
-                continue
-            with self._lock:
-                closing = self._closing
-                if not closing:
-                    self._start_s = time.monotonic() - started
-                    self._child = child
-                    self._down = None
-                    self._retry_at = None
-                    self.restarts += 1
-                    self.pid = child.pid
-                    self._version = child.ready.version
-            if closing:
-                child.kill()
-                return
-            log.warning(
-                "the engine process was restarted (pid %d, version %d, restart %d)",
-                child.pid,
-                self._version,
-                self.restarts,
-            )
-            self._watch(child)
-            return
+    def _on_up(self, child: Child) -> None:
+        """A new child serves (the supervisor's lock held): its version is the engine's."""
+        self._version = child.ready.version
 
     def _start_child(self) -> Child:
         """A new child on the current weights and version, paused if the engine is."""
@@ -528,26 +390,3 @@ class ProcessEngine:
                 unlink(shared)
         self.stats = EngineStats()
         return child
-
-
-def _post(
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Item], Item]]],
-) -> None:
-    for loop, items in by_loop.items():
-        # A closed loop raises RuntimeError: its consumer is gone and nobody is listening.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_put_all, items)
-
-
-def _put_all(items: list[tuple[asyncio.Queue[Item], Item]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
-
-
-def _settle(future: asyncio.Future[Any], result: Any) -> None:
-    if future.done():
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
