@@ -8,7 +8,8 @@ cannot be malformed, and in the formats whose arguments are a JSON object after 
 (`ToolCallParser.json_arguments`) the reply starts as the parser's prefill for that tool's name,
 then the object. So the first call's name is known as soon as the reply matches one tool's named
 prefill, and its arguments stream as they come (`first_call_so_far`); later calls of a parallel
-reply come whole at its end.
+reply come whole at its end. A stream reads the reply once: `CallScanner` keeps its place between
+chunks (`arguments_so_far` and `first_call_so_far` are the same reading, whole, for reference).
 """
 
 from __future__ import annotations
@@ -55,3 +56,69 @@ def first_call_so_far(
         if text.startswith(start):
             return name, arguments_so_far(text[len(start) :])[0]
     return None
+
+
+class CallScanner:
+    """`first_call_so_far` for a reply that grows by appending (a stream's chunks): each `scan`
+    reads only what was appended since the last, so a long call costs its length once, not once
+    per chunk. A text that does not extend the last one starts the reading over."""
+
+    def __init__(self, names: Sequence[str], prefill: Callable[[str], str]) -> None:
+        self._names = names
+        self._prefill = prefill
+        self._restart()
+
+    def _restart(self) -> None:
+        self._seen = ""
+        self.name: str | None = None
+        self._start = -1  # where the object starts (its `{`), once written
+        self._end = -1  # where it ends (past its `}`), once written
+        self._at = 0  # the next character to read
+        self._depth, self._in_string, self._escaped = 0, False, False
+
+    def scan(self, text: str) -> tuple[str, str] | None:
+        """(name, arguments so far) of `text`'s first call, as `first_call_so_far` reads it."""
+        if not text.startswith(self._seen):
+            self._restart()
+        self._seen = text
+        if self.name is None:
+            for name in self._names:
+                start = self._prefill(name)
+                if text.startswith(start):
+                    self.name, self._at = name, len(start)
+                    break
+            else:
+                return None
+        if self._start < 0:
+            self._start = text.find("{", self._at)
+            if self._start < 0:
+                self._at = len(text)
+                return self.name, ""
+            self._at = self._start
+        if self._end < 0:
+            self._read(text)
+        return self.name, text[self._start : self._end if self._end >= 0 else len(text)]
+
+    def _read(self, text: str) -> None:
+        depth, in_string, escaped = self._depth, self._in_string, self._escaped
+        i = self._at
+        for i in range(self._at, len(text)):
+            c = text[i]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif c == "\\":
+                    escaped = True
+                elif c == '"':
+                    in_string = False
+            elif c == '"':
+                in_string = True
+            elif c == "{":
+                depth += 1
+            elif c == "}":
+                depth -= 1
+                if depth == 0:
+                    self._end = i + 1
+                    break
+        self._at = len(text) if self._end < 0 else self._end
+        self._depth, self._in_string, self._escaped = depth, in_string, escaped

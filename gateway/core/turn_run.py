@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 
 from engines.base import SamplingParams
-from gateway.core.call_stream import first_call_so_far
+from gateway.core.call_stream import CallScanner
 from gateway.core.choices import ChoiceRun, RunGroup
 from gateway.core.reasoning_parsers import Split
 from gateway.core.recorder import ChoiceOutcome
@@ -77,6 +77,8 @@ class Turn:
         self._choices: list[Choice] | None = None
         self._call_ids: dict[int, list[str]] = {}
         self.argued: dict[int, int] = {}
+        self._scanners: dict[int, CallScanner] = {}
+        """Per choice, the reading of its forced call so far (`_streamed_call`)."""
         """How much of each streamed forced call's arguments was sent, by choice."""
 
     # -- results -----------------------------------------------------------------------------
@@ -321,12 +323,15 @@ class Turn:
         choice = prompt.tool_choice
         if choice.mode not in ("named", "required") or not parser.json_arguments:
             return None
-        names = (
-            [choice.name]
-            if choice.mode == "named"
-            else [str(t["function"]["name"]) for t in prompt.tools]
-        )
-        return first_call_so_far(text[len(prompt.continues) :], names, parser.prefill)
+        scanner = self._scanners.get(run.index)
+        if scanner is None:
+            names = (
+                [choice.name]
+                if choice.mode == "named"
+                else [str(t["function"]["name"]) for t in prompt.tools]
+            )
+            scanner = self._scanners[run.index] = CallScanner(names, parser.prefill)
+        return scanner.scan(text[len(prompt.continues) :])
 
     def _call_delta(self, run: ChoiceRun) -> CallDelta | None:
         group = self._group_of(run)
