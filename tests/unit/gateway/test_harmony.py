@@ -102,3 +102,33 @@ def test_the_templates_own_call_reads_back() -> None:
     reply = str(whole).split("<|start|>user<|message|>Weather?<|end|><|start|>assistant", 1)[1]
     assert read(reply) == (None, WEATHER, "Look it up.")
     assert json.loads(harmony.read(reply).messages[-1].body) == {"city": "Oslo"}
+
+
+def test_the_renderer_hands_the_reasoning_to_the_template_under_its_key(tiny_model: Any) -> None:
+    """The gateway keeps an assistant's reasoning as `reasoning_content`; gpt-oss's template reads
+    `thinking` only, so the renderer renames it (`ChatRenderer.reasoning_key`) and the history
+    the model sees holds its analysis; a template that reads `reasoning_content` gets it as is."""
+    import copy
+
+    from engines.tiny_model import load_tokenizer
+    from gateway.core.chat_render import ChatRenderer
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather."}}]
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Look it up.",
+            "tool_calls": [call],
+        },
+        {"role": "tool", "content": "Sunny."},
+    ]
+    tokenizer = copy.deepcopy(load_tokenizer(tiny_model))
+    assert ChatRenderer(tokenizer, frozenset()).reasoning_key == "reasoning_content"  # Qwen-like
+    tokenizer.chat_template = TEMPLATE
+    renderer = ChatRenderer(tokenizer, frozenset())
+    assert renderer.reasoning_key == "thinking"
+    text = renderer.render(messages, tools, add_generation_prompt=True)
+    assert "<|channel|>analysis<|message|>Look it up.<|end|>" in text
