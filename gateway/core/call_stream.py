@@ -17,6 +17,40 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 
+class _Braces:
+    """Where a JSON object ends, read as far as its text is written and taken up again where the
+    last reading stopped: braces inside strings and escaped quotes are read as JSON reads them."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def read(self, text: str, at: int) -> int:
+        """Read `text[at:]` (the object starts at or before `at`): the index past its closing
+        brace, or -1 while it is still open."""
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        end = -1
+        for i in range(at, len(text)):
+            c = text[i]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif c == "\\":
+                    escaped = True
+                elif c == '"':
+                    in_string = False
+            elif c == '"':
+                in_string = True
+            elif c == "{":
+                depth += 1
+            elif c == "}":
+                depth -= 1
+                if depth == 0:
+                    end = i + 1
+                    break
+        self.depth, self.in_string, self.escaped = depth, in_string, escaped
+        return end
+
+
 def arguments_so_far(text: str) -> tuple[str, bool]:
     """The JSON object that starts at `text`'s first `{`, as far as it is written, and whether it
     is whole (its closing brace written; what follows, the format's closing markup, is not part of
@@ -24,25 +58,8 @@ def arguments_so_far(text: str) -> tuple[str, bool]:
     start = text.find("{")
     if start < 0:
         return "", False
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start : i + 1], True
-    return text[start:], False
+    end = _Braces().read(text, start)
+    return (text[start:end], True) if end >= 0 else (text[start:], False)
 
 
 def first_call_so_far(
@@ -74,7 +91,7 @@ class CallScanner:
         self._start = -1  # where the object starts (its `{`), once written
         self._end = -1  # where it ends (past its `}`), once written
         self._at = 0  # the next character to read
-        self._depth, self._in_string, self._escaped = 0, False, False
+        self._braces = _Braces()
 
     def scan(self, text: str) -> tuple[str, str] | None:
         """(name, arguments so far) of `text`'s first call, as `first_call_so_far` reads it."""
@@ -96,29 +113,6 @@ class CallScanner:
                 return self.name, ""
             self._at = self._start
         if self._end < 0:
-            self._read(text)
+            self._end = self._braces.read(text, self._at)
+            self._at = len(text)
         return self.name, text[self._start : self._end if self._end >= 0 else len(text)]
-
-    def _read(self, text: str) -> None:
-        depth, in_string, escaped = self._depth, self._in_string, self._escaped
-        i = self._at
-        for i in range(self._at, len(text)):
-            c = text[i]
-            if in_string:
-                if escaped:
-                    escaped = False
-                elif c == "\\":
-                    escaped = True
-                elif c == '"':
-                    in_string = False
-            elif c == '"':
-                in_string = True
-            elif c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    self._end = i + 1
-                    break
-        self._at = len(text) if self._end < 0 else self._end
-        self._depth, self._in_string, self._escaped = depth, in_string, escaped
