@@ -301,8 +301,7 @@ class ProcessEngine:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         with self._lock:
-            child = self._sup.child if closing and self._sup.child is not None else None
-            child = child or self._sup.up()
+            child = self._sup.child if closing and self._sup.child is not None else self._sup.up()
             call_id = next(self._call_ids)
             child.calls[call_id] = PendingCall(loop, future, on_success)
         try:

@@ -460,8 +460,9 @@ class RemoteEngine(abc.ABC):
         )
         # Their streams take the server's last piece and end, then the connections close: closed
         # under a stream, the pool would end it with an error instead of its aborted finish.
-        if live:
-            await asyncio.wait([asyncio.create_task(e.ended.wait()) for e in live], timeout=CLOSE_S)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CLOSE_S):
+                await asyncio.gather(*(e.ended.wait() for e in live))
         await self.http.close()
 
     @property

@@ -67,12 +67,9 @@ def first_call_so_far(
 ) -> tuple[str, str] | None:
     """(name, arguments so far) of the reply's first call, `text` the reply from its start (the
     forced prefill included), `names` the tools it may call, `prefill(name)` how a call of
-    `name` starts; None while no tool's start is written whole."""
-    for name in names:
-        start = prefill(name)
-        if text.startswith(start):
-            return name, arguments_so_far(text[len(start) :])[0]
-    return None
+    `name` starts; None while no tool's start is written whole. A stream keeps one `CallScanner`
+    instead, which reads what each chunk adds only."""
+    return CallScanner(names, prefill).scan(text)
 
 
 class CallScanner:
