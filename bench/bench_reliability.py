@@ -130,18 +130,27 @@ class Load:
     history: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     errors: dict[int, int] = field(default_factory=dict)
     """Statuses other than 200 the clients got (transport errors as 0), with their counts."""
+    latencies: list[float] = field(default_factory=list)
+    """Seconds from a turn's first attempt to its answer, per acknowledged turn."""
 
-    async def run(self, concurrency: int, *, retry: bool) -> None:
+    def done(self) -> int:
+        return sum(len(v) for v in self.acked.values())
+
+    async def run(self, concurrency: int, *, retry: bool, target: str | None = None) -> None:
         """Every session's remaining turns; with `retry`, a refused or failed turn is sent again
-        (after its Retry-After) until it is answered: what an agent riding out a fault does."""
+        (after its Retry-After) until it is answered: what an agent riding out a fault does.
+        `target`: the gateway's URL, in place of the one in the sessions' `base_url`."""
         gate = asyncio.Semaphore(concurrency)
-        async with httpx.AsyncClient(timeout=120) as http:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
 
             async def one(s: dict[str, Any]) -> None:
                 sid = s["id"]
+                base = f"{target}/sessions/{sid}/v1" if target else s["base_url"]
                 hist = self.history.setdefault(sid, [])
                 acked = self.acked.setdefault(sid, [])
                 attempt = 0
+                started = time.perf_counter()
                 while len(acked) < self.turns:
                     messages = [*hist, {"role": "user", "content": f"turn {len(acked)}"}]
                     # the header the openai SDK sends: a retry may take an unseen turn's place
@@ -152,7 +161,7 @@ class Load:
                     async with gate:
                         try:
                             r = await http.post(
-                                f"{s['base_url']}/chat/completions",
+                                f"{base}/chat/completions",
                                 headers=headers,
                                 json={"messages": messages, "max_tokens": 8, "seed": 1},
                             )
@@ -164,6 +173,8 @@ class Load:
                         acked.append(body["id"])
                         hist[:] = [*messages, body["choices"][0]["message"]]
                         attempt = 0
+                        self.latencies.append(time.perf_counter() - started)
+                        started = time.perf_counter()
                         continue
                     attempt += 1
                     self.errors[status] = self.errors.get(status, 0) + 1

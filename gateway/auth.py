@@ -33,11 +33,15 @@ class SessionDirectory:
     gateway updates an entry when it ends a session. A session ended elsewhere may still look
     active here; its turns are then refused when they are committed (the store checks), so nothing
     is recorded into an ended session either way. Run keys are cached by digest until the run's
-    key is replaced or the run deleted through this gateway (`forget_run`)."""
+    key is replaced or the run deleted through this gateway (`forget_run`); on a store other
+    gateways share (PostgreSQL), where the key may be replaced through another one, they are
+    looked up on every use (run keys create sessions and browse: a handful of calls per group,
+    not per turn)."""
 
     def __init__(self, store: Store, max_entries: int = 100_000) -> None:
         self.store = store
         self.max_entries = max_entries
+        self.cache_run_keys = not store.shared
         self._by_key: dict[str, str] = {}
         self._by_id: dict[str, SessionInfo] = {}
         self._run_keys: dict[str, str] = {}
@@ -80,6 +84,8 @@ class SessionDirectory:
         run = await self.store.run_for_key(api_key)
         if run is None:
             return None
+        if not self.cache_run_keys:
+            return run.id
         if len(self._run_keys) >= self.max_entries:
             self._run_keys.clear()
         self._run_keys[digest] = run.id

@@ -15,7 +15,6 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from engines.base import Engine
-from gateway.admission import Admission
 from gateway.auth import SessionDirectory
 from gateway.core.chat_render import ChatRenderer
 from gateway.core.recorder import Recorder
@@ -77,7 +76,6 @@ class Gateway:
     completions: CompletionService
     responses: ResponsesService
     messages: MessagesService
-    admission: Admission
     sessions: SessionDirectory
     run_configs: RunConfigs
     metrics: GatewayMetrics
@@ -136,7 +134,6 @@ def build_gateway(
         completions=CompletionService(core),
         responses=ResponsesService(core, KeptResponses(c.store)),
         messages=MessagesService(core),
-        admission=Admission(c.store),
         sessions=SessionDirectory(c.store),
         run_configs=RunConfigs(c.store),
         metrics=metrics,

@@ -10,6 +10,10 @@ version before the server reports ready or admits any session, so agents never s
 model that the trainer has long left behind. Where that policy cannot be
 loaded (in-process weights, a directory gone, weights that fail to load), it says in the log
 what is served instead; a trainer that resumes republishes its checkpoint's version then.
+
+Gateways that share a PostgreSQL database follow one another (`follow_policy`): a trainer
+publishes to any one of them (through their load balancer), and every other one loads the newly
+recorded policy within `policy_poll_seconds`; one that was down meanwhile loads it on start.
 """
 
 from __future__ import annotations
@@ -23,6 +27,25 @@ from engines.errors import WeightUpdateError
 from store import Store
 
 log = logging.getLogger(__name__)
+
+
+async def follow_policy(engine: Engine, store: Store, every: float) -> None:
+    """Every `every` seconds, load a policy newer than the engine's that another gateway
+    recorded (`restore_policy`, each unloadable version said once in the log). Runs until
+    cancelled; a store or engine error is logged and the next poll tries again."""
+    told: set[int] = set()
+    while True:
+        await asyncio.sleep(every)
+        try:
+            newest = await store.latest_policy()
+            if newest is None or newest.version <= engine.version() or newest.version in told:
+                continue
+            if await restore_policy(engine, store) < newest.version:
+                told.add(newest.version)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the database or engine is down: the next poll tries again
+            log.exception("could not follow the newest published policy")
 
 
 async def restore_policy(engine: Engine, store: Store) -> int:

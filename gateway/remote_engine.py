@@ -89,12 +89,17 @@ async def connect_engine(settings: GatewaySettings, model_dir: Path, vocab_size:
 
 
 async def load_remote_components(settings: GatewaySettings) -> Components:
-    from engines.tiny_model import load_tokenizer, tiny_model_dir
+    from gateway.core.tokenizer import load_chat_tokenizer
     from gateway.deps import Components
     from store import Store
 
-    model_dir = Path(settings.model) if settings.model else tiny_model_dir()
-    tokenizer = load_tokenizer(model_dir)
+    if settings.model:
+        model_dir = Path(settings.model)
+    else:  # the tiny model's build needs torch: a light gateway names its model
+        from engines.tiny_model import tiny_model_dir
+
+        model_dir = tiny_model_dir()
+    tokenizer = load_chat_tokenizer(model_dir)
     engine = await connect_engine(settings, model_dir, len(tokenizer))
     try:
         store = await Store.connect(settings.database_url)

@@ -57,6 +57,11 @@ class GatewaySettings(BaseSettings):
     `rlgateway export-model`), else 0. A vLLM/SGLang server that an earlier weight update
     labelled with an integer version keeps that label."""
 
+    policy_poll_seconds: float = Field(2.0, ge=0.0)
+    """On PostgreSQL, how often this gateway looks for a policy another gateway on the database
+    loaded (a trainer publishes to one of them) and loads it too; 0 never looks (one gateway).
+    SQLite takes one gateway, which every publish reaches: it never looks."""
+
     tool_parser: str = "auto"
     """How tool calls are read out of replies: hermes (Qwen2.5's `<tool_call>` JSON), qwen3_coder,
     llama3_json, mistral, glm45, minimax_m2, granite, phi4_mini_json, llama4_pythonic,

@@ -5,20 +5,23 @@
 A trainer started on the run (`rlgateway train`, `serve --train run=ID`) must train under the
 same values, so before it starts:
 
-- a setting both configs give, with different values, is an error that names both
+- a run-owned setting both configs give, with different values, is an error that names both
   (`eta: the run's config says 2, --config says 1`): nothing is trained, nothing is changed;
 - a setting only the run's config gives is the run's; one only the trainer's gives is the
   trainer's; "gives" is pydantic's `model_fields_set`, key by key inside nested sections
-  (`optim`, `critic`, `wandb`) and the `algo` overrides;
+  (`backend`, `optim`, `critic`) and the `algo` overrides;
 - the merged config is written back to the run, with every run-owned setting
   (`store.run_config.RunConfig`) spelled out, so that the gateway enforces the values the trainer
   trains under, defaults included. Settings neither config gives stay out of it: a later trainer
   may still choose them.
 
-`run` and `database_url` say where the trainer finds the run, not how to train it: never merged.
-`max_steps` says how long to train: a later trainer's value replaces the run's (a run is
-extended by starting its trainer again with more steps; the LR schedule refuses a change where
-it would alter its curve, `trainer.backends.update`).
+The process-owned settings (`trainer.config.ProcessSettings`: identity, leases, polling,
+checkpoint cadence, logging, publishing) are the trainer's: a value stored with the run is a
+default that the trainer's own replaces, never a conflict. `run` and `database_url` say where
+the trainer finds the run: never merged nor stored. `max_steps` says how long to train: a later
+trainer's value replaces the run's (a run is extended by starting its trainer again with more
+steps; the LR schedule refuses a change where it would alter its curve,
+`trainer.backends.update`).
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ from pydantic_core import to_jsonable_python
 from store import Store
 from store.run_config import RUN_FIELDS
 from store.types import JSON
-from trainer.config import TrainConfig, check_run_config, validate_config
+from trainer.config import PROCESS_OWNED, TrainConfig, check_run_config, validate_config
+from trainer.parallel.strategy import Allocation
 
 NOT_MERGED = frozenset({"run", "database_url"})
-LATEST_WINS = frozenset({"max_steps"})
-"""Top-level settings a later trainer's config sets for the run, whatever the run says."""
+"""Where the trainer finds its run: neither merged nor stored."""
+LATEST_WINS = frozenset({"max_steps"}) | (PROCESS_OWNED - NOT_MERGED)
+"""Top-level settings a later trainer's config sets for the run, whatever the run says: how long
+to train, and the process's own settings."""
 
 
 def merge_run_config(stored: JSON, cfg: TrainConfig, *, source: str = "--config") -> TrainConfig:
@@ -103,7 +109,7 @@ def _merge_models(
 
 
 def _merge_values(a: Any, b: Any, key: str, conflicts: list[str], source: str) -> Any:
-    if isinstance(a, BaseModel) and type(a) is type(b):
+    if isinstance(a, BaseModel) and type(a) is type(b) and not isinstance(a, Allocation):
         return _merge_models(a, b, f"{key}.", conflicts, source)
     if isinstance(a, dict) and isinstance(b, dict):  # the `algo` overrides, knob by knob
         return {
@@ -118,7 +124,10 @@ def _merge_values(a: Any, b: Any, key: str, conflicts: list[str], source: str) -
 
 
 def _given(value: Any) -> Any:
-    """`value` as JSON, a nested section with only the keys it was given."""
+    """`value` as JSON, a nested section with only the keys it was given (an allocation is one
+    value, written as its string)."""
+    if isinstance(value, Allocation):
+        return str(value)
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json", exclude_unset=True)
     return to_jsonable_python(value)

@@ -29,27 +29,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from store.db import Database, utcnow
 from store.errors import LeaseLostError, NotFoundError
-from store.sessions import settled
+from store.sessions import counts_in, rewarded, settled
 from store.tables import CompletionRow, RewardRow, SessionRow
 from store.trajectories import check_gamma, load_sessions
 from store.types import Outcome, TrainState, Trajectory
-
-
-def _rewarded() -> ColumnElement[bool]:
-    """The session holds a reward the trainer reads (a late one is for the export only)."""
-    return exists().where(RewardRow.session_id == SessionRow.id, RewardRow.late.is_(False))
 
 
 def _trainable(run_id: str, now: datetime) -> ColumnElement[bool]:
     return and_(
         SessionRow.run_id == run_id,
         SessionRow.ended_at.is_not(None),
-        _rewarded(),
+        rewarded(),
         or_(
             SessionRow.train_state == TrainState.PENDING.value,
             and_(
@@ -223,20 +218,8 @@ async def run_counts(db: Database, run_id: str) -> tuple[int, int]:
     """(running, accepted) trajectories of a run, as staleness admission counts them: active
     sessions, and ended sessions holding a reward that were not dropped by the trainer (stale or
     filtered ones are settled at step -1)."""
-    rewarded = _rewarded()
     async with db.read() as s:
-        running = await s.scalar(
-            select(func.count()).where(SessionRow.run_id == run_id, SessionRow.ended_at.is_(None))
-        )
-        accepted = await s.scalar(
-            select(func.count()).where(
-                SessionRow.run_id == run_id,
-                SessionRow.ended_at.is_not(None),
-                rewarded,
-                or_(SessionRow.consumed_step.is_(None), SessionRow.consumed_step >= 0),
-            )
-        )
-    return int(running or 0), int(accepted or 0)
+        return await counts_in(s, run_id)
 
 
 async def renew(db: Database, session_ids: list[str], *, owner: str, lease_seconds: float) -> int:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Callable
 
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, exists, func, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from store.db import Database, new_id, utcnow
 from store.errors import ConflictError, NotFoundError
-from store.tables import RunRow, SessionRow
+from store.tables import RewardRow, RunRow, SessionRow
 from store.types import JSON, NewSession, Outcome, Run, SessionInfo, SessionStatus, TrainState
 
 MAX_SESSIONS_PER_CALL = 1024
@@ -90,6 +92,7 @@ async def create_sessions(
     *,
     group_id: str | None = None,
     metadata: JSON | None = None,
+    admit: Callable[[int, int], None] | None = None,
 ) -> list[NewSession]:
     if not 1 <= count <= MAX_SESSIONS_PER_CALL:
         raise ValueError(
@@ -117,10 +120,44 @@ async def create_sessions(
         for key in keys
     ]
     async with db.write() as s:
-        if await s.get(RunRow, run_id) is None:
+        # The run's row is locked (FOR UPDATE on PostgreSQL; SQLite's write transaction locks the
+        # file): gateways creating sessions of one run at once are admitted one after the other.
+        if await s.get(RunRow, run_id, with_for_update=True) is None:
             raise NotFoundError(f"no run {run_id!r}: create the run before its sessions")
+        if admit is not None:
+            admit(*await counts_in(s, run_id))
         s.add_all(rows)
     return [NewSession(info=info_from_row(r), api_key=k) for r, k in zip(rows, keys, strict=True)]
+
+
+def rewarded() -> ColumnElement[bool]:
+    """The session holds a reward the trainer reads (a late one is for the export only)."""
+    return exists().where(RewardRow.session_id == SessionRow.id, RewardRow.late.is_(False))
+
+
+async def counts_in(s: AsyncSession, run_id: str) -> tuple[int, int]:
+    """(running, accepted) sessions of a run in the transaction `s` (`Store.run_counts`)."""
+    running = await s.scalar(
+        select(func.count()).where(SessionRow.run_id == run_id, SessionRow.ended_at.is_(None))
+    )
+    accepted = await s.scalar(
+        select(func.count()).where(
+            SessionRow.run_id == run_id,
+            SessionRow.ended_at.is_not(None),
+            rewarded(),
+            or_(SessionRow.consumed_step.is_(None), SessionRow.consumed_step >= 0),
+        )
+    )
+    return int(running or 0), int(accepted or 0)
+
+
+async def session_turns(db: Database, session_id: str) -> int:
+    """How many turns the session has recorded (`sessions.turn_count`)."""
+    async with db.read() as s:
+        turns = await s.scalar(select(SessionRow.turn_count).where(SessionRow.id == session_id))
+    if turns is None:
+        raise session_not_found(session_id)
+    return int(turns)
 
 
 async def get_session(db: Database, session_id: str) -> SessionInfo:

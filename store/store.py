@@ -5,7 +5,7 @@ transaction, so one `Store` serves any number of concurrent asyncio tasks.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Self
 
 from store import browse, migrate, policy, queue, rewards, runs, sessions, steps, turns
@@ -36,22 +36,29 @@ from store.types import (
 class Store:
     """The durable trajectory store on SQLite or PostgreSQL. Create it with `Store.connect`."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, *, group_commit: bool = True) -> None:
         self._db = db
         self.url: str = db.url
         """The normalized (async driver) URL."""
         self.dialect: str = db.dialect
         """"sqlite" or "postgresql"."""
-        # SQLite commits one transaction (one fsync) at a time: concurrent turns share one.
-        self._group = GroupCommitter(db) if db.dialect == "sqlite" else None
+        self.shared = self.dialect != "sqlite"
+        """Other processes may write it as this one does (a fleet of gateways on PostgreSQL; one
+        gateway holds an SQLite file: `gateway/single.py`): what a process holds of it may go
+        stale."""
+        # Concurrent turns share one transaction (`store.group_commit`): one commit, one fsync
+        # and a handful of set-based statements for the whole group, on both backends.
+        self._group = GroupCommitter(db) if group_commit else None
 
     @classmethod
-    async def connect(cls, url: str, *, upgrade: bool = True) -> Self:
+    async def connect(cls, url: str, *, upgrade: bool = True, group_commit: bool = True) -> Self:
         """Open the database at `url` (see `store.db.normalize_url` for the accepted forms).
 
         With `upgrade` (the default) the schema is first migrated to the newest revision; without
         it, a database not at that revision is refused with a StoreError that says to run
         `rlgateway db upgrade`. A database that cannot be reached raises StoreError too.
+        `group_commit` (the default) lets concurrent `record_completions` calls share a
+        transaction; without it each call commits its own (what `bench/bench_store.py` compares).
         """
         db = Database(url)
         try:
@@ -69,7 +76,7 @@ class Store:
         except BaseException:
             await db.dispose()
             raise
-        return cls(db)
+        return cls(db, group_commit=group_commit)
 
     async def close(self) -> None:
         await self._db.dispose()
@@ -177,13 +184,21 @@ class Store:
         *,
         group_id: str | None = None,
         metadata: JSON | None = None,
+        admit: Callable[[int, int], None] | None = None,
     ) -> list[NewSession]:
         """`count` (1..1024) new sessions `sess_<24 hex>` of one run and group, each with its
         bearer key `rlg-...` (returned here once; stored only as its sha256). NotFoundError for
-        an unknown run."""
+        an unknown run. `admit(running, accepted)` (the run's counts, as `run_counts` gives them)
+        is called in the creating transaction with the run locked, and refuses by raising:
+        staleness admission that holds across every gateway on the database."""
         return await sessions.create_sessions(
-            self._db, run_id, count, group_id=group_id, metadata=metadata
+            self._db, run_id, count, group_id=group_id, metadata=metadata, admit=admit
         )
+
+    async def session_turns(self, session_id: str) -> int:
+        """How many turns the session has recorded: a gateway sharing the database with others
+        compares it with what it holds to tell that another one wrote the session."""
+        return await sessions.session_turns(self._db, session_id)
 
     async def get_session(self, session_id: str) -> SessionInfo:
         """Raises NotFoundError for an unknown id."""

@@ -77,7 +77,7 @@ def varlen_attention_forward(
     if position_ids is None:  # without them the sequences of a packed row would run together
         raise ValueError(
             f"{VARLEN} attention needs the position_ids passed down to the attention layers, "
-            "which this model architecture does not do: set optim.attention to sdpa"
+            "which this model architecture does not do: set backend.attention to sdpa"
         )
     b = query.shape[0]
     position_ids = position_ids.expand(b, -1)

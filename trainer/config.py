@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -26,33 +27,15 @@ from pydantic import (
 
 from store.run_config import RunConfig
 from trainer.backends.config import (
-    ArchonBackendConfig,
     BackendConfig,
-    FSDPBackendConfig,
-    MegatronBackendConfig,
+    BackendSpec,
+    FSDPSpec,
     OptimizerSettings,
-    check_context_attention,
-    check_implemented,
+    as_section,
+    runtime_config,
+    spec_input,
 )
-from trainer.parallel.strategy import Allocation, parse_allocation
-
-
-class OptimConfig(OptimizerSettings):
-    """Optimizer and backend settings (the model directory comes from `TrainConfig.model`): the
-    optimizer's, declared once in `OptimizerSettings`, and the attention kernel."""
-
-    attention: Literal["varlen", "sdpa", "eager", "flash_attention_2"] = "varlen"
-    """Attention kernel inside packed rows; varlen costs per sequence, sdpa/eager per row."""
-
-
-class MoEConfig(BaseModel):
-    """Mixture-of-experts training, under the `archon` backend (`trainer.backends.archon`)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    aux_loss_coef: float = Field(0.0, ge=0)
-    """Weight of the router's per-sequence balance loss (`trainer.moe`) in the policy's loss; 0,
-    the default, leaves routing to the reward and reports the balance loss as a metric."""
+from trainer.parallel.strategy import Allocation
 
 
 class CriticConfig(BaseModel):
@@ -113,11 +96,14 @@ class PublishConfig(BaseModel):
         return int(self.bucket_mb * (1 << 20))
 
 
-class TrainConfig(RunConfig):
-    """Everything a training run needs. Every field has a vetted default except `run`; the
-    run-owned fields (`store.run_config.RunConfig`: batch_size, eta, max_concurrent, discount,
-    temperature, client_sampling, max_tokens, ...) are the run's, and `rlgateway train` checks
-    them against it."""
+_BACKEND: TypeAdapter[Any] = TypeAdapter(BackendSpec)
+
+
+class ProcessSettings(BaseModel):
+    """How one trainer process runs: where it finds its run and store, its identity, how often it
+    checkpoints and polls, its leases, its logging and how it publishes. The run's config never
+    binds them (`rlgateway.run_merge`): a value stored with the run is a default a trainer's own
+    replaces, so a restarted trainer may change any of them."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -125,23 +111,62 @@ class TrainConfig(RunConfig):
     """The run to train (its id from `POST /runs`); trajectories are claimed from it."""
     database_url: str = "sqlite:///rlgateway.db"
     """The trajectory store the gateway records into."""
+    trainer_id: str | None = None
+    """The trainer's identity as it leases sessions; None: `trainer:<run>`. A restarted trainer
+    with the same identity takes back its own leases at once."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Write a checkpoint every this many steps (and at the last). Steps after the newest
+    checkpoint are redone after a crash: their trajectories go back to the queue on resume."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk."""
+    lease_seconds: float = Field(600.0, gt=0)
+    """How long claimed trajectories stay leased before returning to the queue."""
+    poll_seconds: float = Field(0.2, gt=0)
+    """How often to look for trainable trajectories while waiting."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under checkpoint_dir/tb."""
+    wandb: WandbConfig | None = None
+    """Weights & Biases logging of every step's metrics (besides stdout, metrics.jsonl and
+    TensorBoard): a `wandb:` section (even `wandb: {}`) turns it on; None: off."""
+    publish: PublishConfig = Field(default_factory=lambda: PublishConfig())
+    """How new weights reach the engines."""
+
+
+PROCESS_OWNED = frozenset(ProcessSettings.model_fields)
+"""The process-owned settings (`ProcessSettings`); every other setting of a `TrainConfig` is the
+run's."""
+
+
+class TrainConfig(RunConfig, ProcessSettings):
+    """Everything a training run needs. Every field has a vetted default except `run`. The
+    settings are the run's (those the gateway reads too, `store.run_config.RunConfig`: batch_size,
+    eta, max_concurrent, discount, temperature, client_sampling, max_tokens, ...; and the
+    training's: model, backend, algorithm, optim, ...), which `rlgateway train` checks against
+    the run's stored config, or the process's (`ProcessSettings`), which it does not."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
     model: str | None = None
     """The initial policy (a HF model directory); None means the tiny model."""
-    backend: str = "fsdp"
-    """The training backend and its parallel strategy, `BACKEND[:DIMS]`
+    backend: BackendSpec = Field(default_factory=lambda: FSDPSpec())
+    """The training backend, its parallel strategy and its own settings
+    (`trainer.backends.config`): a section (`{allocation: archon:e2, aux_loss_coef: 0.01}`,
+    `{type: fsdp, attention: sdpa}`) or its allocation alone, `BACKEND[:DIMS]`
     (`trainer.parallel.strategy`): `fsdp`, the default, is FSDP2 data parallel over every rank
     (one process, or as many as torchrun starts); `fsdp:d4` asks for exactly 4; `fsdp:t2` splits
     each layer over 2 tensor ranks, data parallel over the rest (`fsdp:d2t2`: 4 ranks); `fsdp:c2`
     splits each packed row's tokens over 2 context ranks (Ulysses, with the varlen attention;
     `fsdp:d2c2`, `fsdp:c2t2`: 4 ranks); `archon` trains MoE models, `archon:e2` with their
-    experts split over groups of 2 data ranks (expert parallel; `moe` has its settings);
-    `megatron` trains on megatron-core (`pip install -e '.[megatron]'`, CUDA GPUs), tensor and
-    pipeline parallel: `megatron:t2p2` on 4 ranks, `megatron:d1t2p2` exactly so."""
+    experts split over groups of 2 data ranks (expert parallel); `megatron` trains on
+    megatron-core (`pip install -e '.[megatron]'`, CUDA GPUs), tensor and pipeline parallel:
+    `megatron:t2p2` on 4 ranks, `megatron:d1t2p2` exactly so. The fsdp and archon backends take
+    `attention` (the kernel inside packed rows), archon `aux_loss_coef` (the router's balance
+    loss)."""
     algorithm: str = "grpo"
     """A preset: ppo, grpo, dapo, rloo, gspo, dr_grpo, reinforce_pp."""
     algo: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the preset's knobs (see trainer.algorithms.AlgorithmConfig)."""
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
+    optim: OptimizerSettings = Field(default_factory=lambda: OptimizerSettings())
     """Optimizer, schedule, precision."""
     group_size: int = Field(4, ge=1)
     """Sessions per group (sessions created with one group_id), whose rewards a group baseline
@@ -163,75 +188,52 @@ class TrainConfig(RunConfig):
     """Tokens older than `eta` policy versions: `mask` leaves them out of the loss (context only,
     counted in `stale_tokens`), the trajectory trains on the rest (AReaL's token masking);
     `drop` settles any trajectory holding one as `stale`."""
-    trainer_id: str | None = None
-    """The trainer's identity as it leases sessions; None: `trainer:<run>`. A restarted trainer
-    with the same identity takes back its own leases at once."""
     max_steps: int = Field(100, ge=1)
     """Training steps (policy versions) to run."""
     token_budget: int = Field(1024, ge=16)
     """Tokens per packed micro-batch (gradient accumulation over micro-batches). With the default
-    varlen attention (`optim.attention`) attention costs per sequence, not per row, so the budget
+    varlen attention (`backend.attention`) attention costs per sequence, not per row, so the budget
     mostly bounds activation memory; on CPU 512-1024 measured fastest (BENCHMARKS.md, Trainer:
     per-sequence attention). With sdpa's block-diagonal mask attention is quadratic in the row:
     keep it near the typical sequence length there. On GPUs raise it (e.g. 16384)."""
     checkpoint_dir: str = "checkpoints"
     """Where checkpoints go (one directory per step; resume picks the newest)."""
-    checkpoint_every: int = Field(1, ge=1)
-    """Write a checkpoint every this many steps (and at the last). Steps after the newest
-    checkpoint are redone after a crash: their trajectories go back to the queue on resume."""
-    keep_checkpoints: int = Field(2, ge=1)
-    """Checkpoints kept on disk."""
-    lease_seconds: float = Field(600.0, gt=0)
-    """How long claimed trajectories stay leased before returning to the queue."""
-    poll_seconds: float = Field(0.2, gt=0)
-    """How often to look for trainable trajectories while waiting."""
-    tensorboard: bool = True
-    """Write TensorBoard event files under checkpoint_dir/tb."""
-    wandb: WandbConfig | None = None
-    """Weights & Biases logging of every step's metrics (besides stdout, metrics.jsonl and
-    TensorBoard): a `wandb:` section (even `wandb: {}`) turns it on; None: off."""
-    moe: MoEConfig = Field(default_factory=lambda: MoEConfig())
-    """Mixture-of-experts settings (the archon backend only)."""
     critic: CriticConfig = Field(default_factory=lambda: CriticConfig())
     """The value model of algorithms with a critic (ppo)."""
-    publish: PublishConfig = Field(default_factory=lambda: PublishConfig())
-    """How new weights reach the engines."""
 
-    @field_validator("backend")
+    @model_validator(mode="before")
     @classmethod
-    def _canonical_backend(cls, text: str) -> str:
-        """The allocation in canonical form, once it parses and its backend implements it."""
-        return str(check_implemented(parse_allocation(text)))
+    def _read(cls, data: Any) -> Any:
+        """The spellings of configs stored before the backend's own settings moved into its
+        section: `optim.attention` and `moe.aux_loss_coef` are read as `backend.attention` and
+        `backend.aux_loss_coef`."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        optim, moe = data.get("optim"), data.pop("moe", None)
+        legacy: dict[str, Any] = dict(moe) if isinstance(moe, dict) else {}
+        if isinstance(optim, dict) and "attention" in optim:
+            data["optim"] = {k: v for k, v in optim.items() if k != "attention"}
+            legacy["attention"] = optim["attention"]
+        if moe is not None and not isinstance(moe, dict):
+            legacy["moe"] = moe  # rejected by name
+        if legacy:
+            backend = as_section(data.get("backend", "fsdp"))
+            data["backend"] = {**legacy, **backend} if isinstance(backend, dict) else backend
+        return data
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _backend_shorthand(cls, value: Any) -> Any:
+        return spec_input(value)
 
     _algorithm: Any = PrivateAttr(default=None)
-    _allocation: Allocation | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         self._resolve()  # a bad preset or knob fails at load time
-        algo, allocation = self.algorithm_config(), self.allocation
-        check_context_attention(allocation, self.optim.attention)
-        if allocation.backend == "megatron":
-            if "attention" in self.optim.model_fields_set:
-                raise ValueError(
-                    "optim.attention picks the Hugging Face model's kernel (fsdp, archon); the "
-                    "megatron backend runs megatron-core's attention: drop optim.attention"
-                )
-            if self.optim.mixed_precision != "fp32":
-                raise ValueError(
-                    "the megatron backend trains in fp32 (its bf16 path is not implemented): "
-                    "set optim.mixed_precision to fp32, or use fsdp"
-                )
-            if algo.use_critic:
-                raise ValueError(
-                    f"algorithm {self.algorithm!r} trains a critic, which the megatron backend "
-                    "does not build: use fsdp for it, or a critic-free algorithm (grpo, ...)"
-                )
-        if self.moe != MoEConfig() and allocation.backend != "archon":
-            raise ValueError(
-                f"moe settings act under the archon backend (MoE models) only; backend is "
-                f"{self.backend!r}: use archon, or drop the moe section"
-            )
+        algo = self.algorithm_config()
+        self.backend.check_run(self.optim, use_critic=algo.use_critic, algorithm=self.algorithm)
         if algo.group_baseline != "none" and self.group_size < 2:
             raise ValueError(
                 f"algorithm {self.algorithm!r} baselines each reward against its group's "
@@ -262,8 +264,8 @@ class TrainConfig(RunConfig):
 
     def _resolve(self) -> None:
         """`algorithm` with `algo`'s overrides (and the run's max_tokens as Dr.GRPO's default
-        norm_len) as one `AlgorithmConfig`, and `backend` as its `Allocation`: once, when the
-        config is validated (and again by `model_copy`), not at each use."""
+        norm_len) as one `AlgorithmConfig`: once, when the config is validated (and again by
+        `model_copy`), not at each use."""
         from trainer.algorithms.config import AlgorithmConfig, algorithm_config
 
         overrides = dict(self.algo)
@@ -274,10 +276,11 @@ class TrainConfig(RunConfig):
         except ValidationError as exc:
             # raised as a ValueError, so that pydantic reports it under `algo`, with the knob
             raise ValueError(describe_error(exc, AlgorithmConfig, prefix="algo.")) from None
-        self._allocation = parse_allocation(self.backend)
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
-        """A copy, its resolved algorithm and allocation those of its own fields."""
+        """A copy, its resolved algorithm that of its own fields."""
+        if update and "backend" in update:  # a shorthand becomes its spec, as on validation
+            update = {**update, "backend": _BACKEND.validate_python(spec_input(update["backend"]))}
         copy = super().model_copy(update=update, deep=deep)
         copy._resolve()
         return copy
@@ -288,27 +291,13 @@ class TrainConfig(RunConfig):
 
     @property
     def allocation(self) -> Allocation:
-        """`backend` parsed: the backend and its parallel strategy."""
-        assert self._allocation is not None
-        return self._allocation
+        """The backend's allocation: the backend and its parallel strategy."""
+        return self.backend.allocation
 
     def backend_config(self, model_dir: str) -> BackendConfig:
-        """The policy backend's settings: those of the backend that `backend` names, from
-        `optim` (and, for archon, `moe`)."""
-        o = self.optim
-        allocation = self.allocation
-        settings: dict[str, Any] = dict(
-            **o.model_dump(include=set(OptimizerSettings.model_fields)),
-            model_dir=model_dir,
-            total_steps=max(self.max_steps, o.warmup_steps, 1),
-            allocation=allocation,
-        )
-        if allocation.backend == "megatron":
-            return MegatronBackendConfig(**settings)
-        settings["attention"] = o.attention
-        if allocation.backend == "archon":
-            return ArchonBackendConfig(**settings, aux_loss_coef=self.moe.aux_loss_coef)
-        return FSDPBackendConfig(**settings)
+        """The policy backend's constructor settings: its spec (`backend`) with `optim`."""
+        steps = max(self.max_steps, self.optim.warmup_steps, 1)
+        return runtime_config(self.backend, self.optim, model_dir=model_dir, total_steps=steps)
 
     def critic_backend_config(self, model_dir: str) -> BackendConfig:
         """The critic's backend settings: the policy's, with the critic's learning rate."""
@@ -323,26 +312,40 @@ def describe_error(exc: ValidationError, model: type[BaseModel], prefix: str = "
     unknown key, the keys that are allowed there."""
     first = exc.errors()[0]
     loc = [str(x) for x in first["loc"]]
-    where = prefix + ".".join(loc) if loc else prefix.rstrip(".")
     if first["type"] == "extra_forbidden":
-        known = ", ".join(_fields_at(model, loc[:-1]))
-        return f"{where}: unknown key (known here: {known})"
+        path, known = _walk(model, loc[:-1])
+        where = prefix + ".".join([*path, loc[-1]])
+        return f"{where}: unknown key (known here: {', '.join(known)})"
+    path, _ = _walk(model, loc)
+    where = prefix + ".".join(path) if path else prefix.rstrip(".")
     message = str(first["msg"]).removeprefix("Value error, ")
     if first["type"] == "value_error" or "input" not in first:
         return f"{where}: {message}" if where else message
     return f"{where}: {message} (got {first['input']!r})"
 
 
-def _fields_at(model: type[BaseModel], path: list[str]) -> list[str]:
-    """The field names of the (nested) model at `path` of `model`."""
-    for part in path:
-        field = model.model_fields.get(part)
+def _walk(model: type[BaseModel], loc: list[str]) -> tuple[list[str], list[str]]:
+    """`loc` as the user wrote it (less the tags pydantic adds for a discriminated union, such as
+    `backend.archon`), and the field names of the (nested) model its last key sits in."""
+    path: list[str] = []
+    candidates: list[type[BaseModel]] = [model]
+    for i, part in enumerate(loc):
+        tagged = [m for m in candidates if _tag(m) == part]
+        if tagged and len(candidates) > 1:
+            candidates = tagged  # the union member that pydantic named: not a key of the config
+            continue
+        path.append(part)
+        field = candidates[0].model_fields.get(part)
         annotation = getattr(field, "annotation", None)
-        nested = [a for a in (annotation, *getattr(annotation, "__args__", ())) if _is_model(a)]
-        if not nested:
-            return []
-        model = nested[0]
-    return list(model.model_fields)
+        candidates = [a for a in (annotation, *getattr(annotation, "__args__", ())) if _is_model(a)]
+        if not candidates:
+            return path + loc[i + 1 :], []
+    return path, list(candidates[0].model_fields)
+
+
+def _tag(model: type[BaseModel]) -> object:
+    field = model.model_fields.get("type")
+    return field.default if field is not None else None
 
 
 def _is_model(annotation: object) -> bool:
@@ -367,7 +370,9 @@ def check_run_config(config: dict[str, Any]) -> None:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """`a.b=value` pairs onto a nested dict; values are parsed as YAML scalars."""
+    """`a.b=value` pairs onto a nested dict; values are parsed as YAML scalars. The backend's
+    shorthand combines with its keys, in either order: `backend=archon:e2
+    backend.aux_loss_coef=0.01` is `backend: {allocation: archon:e2, aux_loss_coef: 0.01}`."""
     out = dict(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -375,12 +380,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ValueError(f"override {item!r} is not KEY=VALUE (e.g. optim.lr=1e-5)")
         node = out
         parts = key.split(".")
-        for part in parts[:-1]:
+        value = yaml.safe_load(raw)
+        if parts == ["backend"] and isinstance(out.get("backend"), dict):
+            parts = ["backend", "allocation"]  # the shorthand into the section
+            out["backend"] = {k: v for k, v in out["backend"].items() if k != "type"}
+        for depth, part in enumerate(parts[:-1]):
             child = node.get(part)
+            if depth == 0 and part == "backend":
+                child = as_section(child)
             child = dict(child) if isinstance(child, dict) else {}
             node[part] = child
             node = child
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = value
     return out
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from gateway.core.attempts import Attempts
 from gateway.core.segments import LiveSegment, SegmentTracker, SessionState, Transcript
 from store import Store
+from store.errors import ConflictError
 from store.types import CompletionRecord, LastTurn, TurnStatus
 
 
@@ -98,6 +99,7 @@ class Recorder:
         told apart from the old, `ChatRenderer.continuation`), by `fresh_prompt`."""
         state = await self.tracker.state(session_id)
         async with state.lock:
+            await self.tracker.refresh(session_id, state)
             match = choose([s for s in state.segments if s.transcript is not None])
             prompt: list[int] | None = None
             target: Target | None = None
@@ -147,34 +149,20 @@ class Recorder:
         request: dict[str, Any],
         side: str | None,
     ) -> None:
-        records = [
-            CompletionRecord(
-                id=o.completion_id,
-                session_id=plan.session_id,
-                segment_id=t.segment.id,
-                segment_index=t.segment.index,
-                opens_segment=t.opens,
-                prefix_break=t.prefix_break,
-                transcript=o.transcript,
-                prefix_len=t.prefix_len,
-                prompt_ids=plan.prompt_ids,
-                output_ids=o.output_ids,
-                logprobs=o.logprobs,
-                versions=o.versions,
-                finish_reason=o.finish_reason,
-                status=o.status,
-                replaces=t.replaces,
-                side=side,
-                sampling=sampling,
-                request=request,
-                response=o.response,
-                latency_ms=o.latency_ms,
-                ttft_ms=o.ttft_ms,
-            )
-            for t, o in zip(plan.targets, outcomes, strict=True)
-        ]
         try:
-            await self.store.record_completions(records)
+            records = _records(plan, outcomes, sampling, request, side)
+            try:
+                await self.store.record_completions(records)
+            except ConflictError:
+                if not self.tracker.shared:
+                    raise
+                # Another gateway recorded a turn of this session meanwhile (its client sent two
+                # requests at once, to two gateways): the choices become forks, as concurrent
+                # requests to one gateway do (`_reserve`), and the state is reloaded.
+                self.release(plan)
+                plan = await self._as_forks(plan)
+                records = _records(plan, outcomes, sampling, request, side)
+                await self.store.record_completions(records)
         except BaseException:
             self.release(plan)
             raise
@@ -185,8 +173,58 @@ class Recorder:
                 o.completion_id, o.status, t.prefix_len, len(plan.prompt_ids), request
             )
             t.segment.busy = False
+        plan.state.turns += len(records)
         if self.on_commit is not None:
             self.on_commit(records)
+
+    async def _as_forks(self, plan: Plan) -> Plan:
+        """`plan` with every choice in a segment of its own, opened after every segment the
+        store holds (the prompt is context only: no sampled token is trained twice)."""
+        state = plan.state
+        async with state.lock:
+            await self.tracker.refresh(plan.session_id, state)
+            stored = await self.store.load_segments(plan.session_id)
+            index = max([state.next_index(), *(row.index + 1 for row in stored)])
+            targets = [
+                Target(state.open_segment(index + i), True, 0, True)
+                for i in range(len(plan.targets))
+            ]
+        return Plan(plan.session_id, state, plan.prompt_ids, targets)
+
+
+def _records(
+    plan: Plan,
+    outcomes: list[ChoiceOutcome],
+    sampling: dict[str, Any],
+    request: dict[str, Any],
+    side: str | None,
+) -> list[CompletionRecord]:
+    return [
+        CompletionRecord(
+            id=o.completion_id,
+            session_id=plan.session_id,
+            segment_id=t.segment.id,
+            segment_index=t.segment.index,
+            opens_segment=t.opens,
+            prefix_break=t.prefix_break,
+            transcript=o.transcript,
+            prefix_len=t.prefix_len,
+            prompt_ids=plan.prompt_ids,
+            output_ids=o.output_ids,
+            logprobs=o.logprobs,
+            versions=o.versions,
+            finish_reason=o.finish_reason,
+            status=o.status,
+            replaces=t.replaces,
+            side=side,
+            sampling=sampling,
+            request=request,
+            response=o.response,
+            latency_ms=o.latency_ms,
+            ttft_ms=o.ttft_ms,
+        )
+        for t, o in zip(plan.targets, outcomes, strict=True)
+    ]
 
 
 def _reserve(state: SessionState, match: Match) -> Target:

@@ -15,7 +15,9 @@ marked replaced. So a client's retry never forks its session into a prefix break
 never saw is never trained.
 
 The live state is kept per session in memory (bounded LRU) and rebuilt from the store on first use,
-so a restarted gateway continues its sessions token for token.
+so a restarted gateway continues its sessions token for token; on a store that several gateways
+share, it is rebuilt whenever another gateway recorded a turn of the session meanwhile, so any
+gateway continues any session.
 """
 
 from __future__ import annotations
@@ -57,10 +59,21 @@ class LiveSegment:
 @dataclass(slots=True)
 class SessionState:
     segments: list[LiveSegment]
+    turns: int = 0
+    """The session's recorded turns this state holds (the store's `turn_count` when loaded, plus
+    this gateway's commits since)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    def open_segment(self) -> LiveSegment:
-        index = max((s.index for s in self.segments), default=-1) + 1
+    def busy(self) -> bool:
+        """A request of this gateway is in flight on one of its segments."""
+        return any(s.busy for s in self.segments)
+
+    def next_index(self) -> int:
+        return max((s.index for s in self.segments), default=-1) + 1
+
+    def open_segment(self, index: int | None = None) -> LiveSegment:
+        if index is None:
+            index = self.next_index()
         seg = LiveSegment(
             id=f"seg_{uuid.uuid4().hex[:24]}", index=index, transcript=None, tokens=[], busy=True
         )
@@ -155,7 +168,10 @@ def extends_tokens(seg: LiveSegment, prompt_ids: list[int]) -> bool:
 
 
 class SegmentTracker:
-    """Per-session live segment state, loaded lazily from the store, bounded by an LRU."""
+    """Per-session live segment state, loaded lazily from the store, bounded by an LRU.
+
+    On a store other gateways share (PostgreSQL), a turn may have been recorded by another one
+    since this state was loaded: `refresh` compares the session's turn count and reloads."""
 
     def __init__(self, store: Store, *, max_sessions: int = 10_000) -> None:
         self.store = store
@@ -163,22 +179,44 @@ class SegmentTracker:
         self._states: OrderedDict[str, SessionState] = OrderedDict()
         self._loading = asyncio.Lock()
 
+    @property
+    def shared(self) -> bool:
+        """Other gateways may write the store (one gateway per SQLite file: `gateway/single.py`)."""
+        return self.store.shared
+
     async def state(self, session_id: str) -> SessionState:
         state = self._states.get(session_id)
         if state is None:
             async with self._loading:
                 state = self._states.get(session_id)
                 if state is None:
-                    rows = await self.store.load_segments(session_id)
-                    segments = [
-                        LiveSegment(r.id, r.index, r.transcript, list(r.tokens), last=r.last_turn)
-                        for r in rows
-                    ]
-                    state = SessionState(segments)
+                    state = SessionState([])
+                    await self._load(session_id, state)
                     self._states[session_id] = state
                     self._evict()
         self._states.move_to_end(session_id)
         return state
+
+    async def refresh(self, session_id: str, state: SessionState) -> None:
+        """Under `state.lock`: reload the session's segments if another gateway recorded a turn
+        since they were loaded (a shared store only; never while a request of this gateway is in
+        flight on them, whose commit then finds the conflict: `Recorder.commit`)."""
+        if not self.shared or state.busy():
+            return
+        turns = await self.store.session_turns(session_id)
+        if turns != state.turns:
+            await self._load(session_id, state, turns)
+
+    async def _load(self, session_id: str, state: SessionState, turns: int | None = None) -> None:
+        """The session's segments, and the turn count read before them (`turns`, when the caller
+        just read it): a turn recorded in between makes the next `refresh` load again."""
+        if turns is None:
+            turns = await self.store.session_turns(session_id) if self.shared else 0
+        rows = await self.store.load_segments(session_id)
+        state.segments = [
+            LiveSegment(r.id, r.index, r.transcript, list(r.tokens), last=r.last_turn) for r in rows
+        ]
+        state.turns = turns
 
     def register_empty(self, session_id: str) -> None:
         """A session this gateway just created: it has no segments to load."""

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from pydantic import Field, Strict
 
+from gateway.admission import admitter
 from gateway.deps import GatewayDep
 from gateway.errors import BadRequest, Conflict, TooManyRequests, error_docs
 from gateway.limits import MAX_INT32, CheckedBody
@@ -36,15 +37,17 @@ async def create_sessions(
     run = await gw.store.get_run(run_id)
     if run.status == RunStatus.STOPPED:
         raise Conflict(f"run {run_id} is stopped: it takes no new sessions")
-    async with gw.admission.lock(run_id):
-        try:
-            await gw.admission.check(run, body.count, gw.engine.version())
-        except TooManyRequests:
-            gw.metrics.admission_rejections.inc()
-            raise
+    try:
         created = await gw.store.create_sessions(
-            run_id, body.count, group_id=body.group_id, metadata=body.metadata
+            run_id,
+            body.count,
+            group_id=body.group_id,
+            metadata=body.metadata,
+            admit=admitter(run, body.count, gw.engine.version()),
         )
+    except TooManyRequests:
+        gw.metrics.admission_rejections.inc()
+        raise
     for s in created:  # known to be empty: no need to load their segments later
         gw.sessions.remember_key(s.api_key, s.info)
         gw.recorder.tracker.register_empty(s.info.id)

@@ -103,7 +103,7 @@ async def delete_run(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, A
 
 @router.post("/runs/{run_id}/key", responses=_RUN)
 async def new_run_key(gw: GatewayDep, _: RunAdminDep, run_id: str) -> dict[str, Any]:
-    """Replace the run's agent key: the old one stops working at once (on this gateway)."""
+    """Replace the run's agent key: the old one stops working at once, on every gateway."""
     key = await gw.store.new_run_key(run_id)
     gw.sessions.forget_run(run_id)
     return {"id": run_id, "api_key": key}

@@ -76,6 +76,13 @@ def run_serve(args: argparse.Namespace) -> int:
             train = _adopt_run(train)
     elif args.config or args.overrides:
         raise CLIError("--config and KEY=VALUE overrides go with --train")
+    from gateway.single import GatewayLockedError, sole_gateway
+
+    try:  # said here, before anything loads; the gateway holds the claim while it serves
+        with sole_gateway(settings.database_url):
+            pass
+    except GatewayLockedError as exc:
+        raise CLIError(str(exc)) from exc
     made_up = not settings.admin_token
     if made_up:
         settings.admin_token = f"rlg-admin-{secrets.token_urlsafe(16)}"

@@ -12,14 +12,27 @@ import asyncio
 import threading
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
 from tests.support.gateway_server import GatewayHandle, serve
 from tests.support.vllm_server import vllm_python
 
+if TYPE_CHECKING:
+    from engines.local import LocalEngine
+
 _T = TypeVar("_T")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Iterator[LocalEngine]:
+    """The tiny model on the local engine, in the test process (one per module that asks)."""
+    from engines.local import LocalEngine, LocalEngineConfig
+
+    engine = LocalEngine.load(LocalEngineConfig(model=str(tiny_model)))
+    yield engine
+    asyncio.run(engine.close())
 
 
 @pytest.fixture(scope="session")

@@ -4,18 +4,16 @@ admin API and access tests. Import the fixture with
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from fastapi import FastAPI
 
-from engines.local import LocalEngine, LocalEngineConfig
+from engines.local import LocalEngine
 from gateway.settings import GatewaySettings
 from rlgateway.app import create_app
 from store import Store
@@ -28,13 +26,6 @@ USER = [{"role": "user", "content": "hello"}]
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> Iterator[LocalEngine]:
-    engine = LocalEngine.load(LocalEngineConfig(model=str(tiny_model)))
-    yield engine
-    asyncio.run(engine.close())
 
 
 @dataclass

@@ -35,6 +35,8 @@ class GatewayHandle:
     log_path: Path
     client: httpx.Client = field(repr=False)
     """Authorized with the admin token, base_url = `url`."""
+    pid: int = 0
+    """The `rlgateway serve` process, leader of its process group (its engine process too)."""
     _run_id: str | None = None
 
     @property
@@ -109,11 +111,14 @@ def run_gateway(
     extra_env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
     timeout: float = 120,
+    port: int | None = None,
+    database_url: str | None = None,
 ) -> Iterator[GatewayHandle]:
-    """Serve `model_dir` with `rlgateway serve` on 127.0.0.1 (CPU) and yield its handle."""
-    port = _free_port()
+    """Serve `model_dir` with `rlgateway serve` on 127.0.0.1 (CPU) and yield its handle: on
+    `port` (default a free one) and `database_url` (default an SQLite file in `tmp_path`)."""
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
-    database_url = f"sqlite:///{(tmp_path / 'gateway.db').resolve()}"
+    database_url = database_url or f"sqlite:///{(tmp_path / 'gateway.db').resolve()}"
     cmd = [
         sys.executable,
         "-m",
@@ -150,7 +155,7 @@ def run_gateway(
         with httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {admin_token}"}, timeout=60
         ) as client:
-            yield GatewayHandle(url, admin_token, database_url, log_path, client)
+            yield GatewayHandle(url, admin_token, database_url, log_path, client, proc.pid)
     finally:
         _stop(proc)
 
@@ -166,7 +171,7 @@ def serve(
         assert "Traceback" not in log, log[-4000:]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]

@@ -1,7 +1,11 @@
 """Typed settings of the training backends (pydantic; imports no torch, so configs load fast).
 
-A backend config is a union discriminated on `type`: `fsdp` (dense models), `archon` (MoE) and
-`megatron` (dense models on megatron-core, an optional extra).
+A run config's `backend` is a spec, a union discriminated on `type`: `fsdp` (dense models),
+`archon` (MoE) and `megatron` (dense models on megatron-core, an optional extra), each with its
+allocation and the settings of that backend alone (`attention`, `aux_loss_coef`), each declared
+once. A backend is built from its spec with the run's optimizer settings (`OptimizerSettings`), the
+model and the schedule's length: `runtime_config`, whose classes are the spec's and the
+optimizer's fields together (`FSDPBackendConfig`, ...), the constructor's arguments.
 Every backend trains with an `Allocation` (`trainer.parallel.strategy`): `IMPLEMENTED` says which
 backends exist and which parallel dimensions each implements, and `check_implemented` refuses the
 rest when the config loads, never ignoring a size it cannot honour.
@@ -9,11 +13,11 @@ rest when the config loads, never ignoring a size it cannot honour.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
-from trainer.parallel.strategy import DIMENSIONS, Allocation
+from trainer.parallel.strategy import DIMENSIONS, Allocation, parse_allocation
 
 IMPLEMENTED: dict[str, tuple[str, ...]] = {
     "fsdp": ("data", "tensor", "context"),
@@ -93,31 +97,141 @@ OPTIMIZER_DEFAULTS = OptimizerSettings()
 """The defaults of every optimizer setting, where a constructor needs them as values."""
 
 
-class _BackendSettings(OptimizerSettings):
-    """The settings every backend shares: `FSDPBackend`'s constructor arguments."""
+class _BackendSpec(BaseModel):
+    """What a run config's `backend` section says (`TrainConfig.backend`): the backend, its
+    allocation, and the settings of that backend alone. A string (`fsdp:d2t2`) is the shorthand
+    of `{allocation: fsdp:d2t2}`, and `type` may be left out where `allocation` names it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     type: str
-    """Backend kind (each backend's config fixes it)."""
+    """Backend kind (each backend's spec fixes it)."""
+    allocation: Allocation = DATA_PARALLEL
+    """The backend and its parallel strategy (a string such as `fsdp`, `fsdp:d4`, `fsdp:d2t2`,
+    `fsdp:d2c2` or `archon:d4e2` validates into one; it is written back as that string); the
+    default is the backend's data parallel over every rank."""
+
+    @field_serializer("allocation")
+    def _allocation_text(self, allocation: Allocation) -> str:
+        return str(allocation)
+
+    @model_validator(mode="after")
+    def _check_allocation(self) -> _BackendSpec:
+        if self.allocation.backend != self.type:
+            raise ValueError(
+                f"the {self.type} backend's allocation names {self.allocation.backend!r}: "
+                f"use {self.type}"
+            )
+        check_implemented(self.allocation)
+        return self
+
+    def __str__(self) -> str:
+        return str(self.allocation)
+
+    def check_run(self, optim: OptimizerSettings, *, use_critic: bool, algorithm: str) -> None:
+        """ValueError where this backend cannot train under the run's other settings."""
+
+
+class _HFBackendSpec(_BackendSpec):
+    """The backends that train the Hugging Face model itself (fsdp, archon)."""
+
+    attention: Literal["varlen", "sdpa", "eager", "flash_attention_2"] = "varlen"
+    """Attention kernel of packed rows: varlen (per-sequence SDPA, `trainer.attention`; it costs
+    per sequence, not per row), sdpa or eager (one block-diagonal mask over the whole row), or
+    flash_attention_2 (GPU, if installed)."""
+
+    @model_validator(mode="after")
+    def _check_attention(self) -> _HFBackendSpec:
+        check_context_attention(self.allocation, self.attention)
+        return self
+
+
+class FSDPSpec(_HFBackendSpec):
+    """`trainer.backends.fsdp.FSDPBackend`: data, tensor and context parallelism (the last with
+    the varlen attention)."""
+
+    type: Literal["fsdp"] = "fsdp"
+    """Backend kind."""
+
+
+class ArchonSpec(_HFBackendSpec):
+    """`trainer.backends.archon.ArchonBackend`, the MoE backend: data and expert parallelism, and
+    the router's balance loss."""
+
+    type: Literal["archon"] = "archon"
+    """Backend kind."""
+    allocation: Allocation = Allocation(backend="archon")
+    """As for every backend; a bare `archon` is data parallel with every expert on every rank,
+    `archon:e2` splits the experts over groups of 2 data ranks."""
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the router's per-sequence balance loss (`trainer.moe`) in the policy's loss; 0,
+    the default, leaves routing to the reward and reports the balance loss as a metric."""
+
+
+class MegatronSpec(_BackendSpec):
+    """`trainer.backends.megatron.MegatronBackend`: data, tensor and pipeline parallelism on
+    megatron-core (attention is megatron-core's, over a block-diagonal mask). The optimizer's
+    `gradient_checkpointing` recomputes every layer (megatron-core's full recompute); training
+    is float32 (bf16 is not implemented for it), and it builds no critic."""
+
+    type: Literal["megatron"] = "megatron"
+    """Backend kind."""
+    allocation: Allocation = Allocation(backend="megatron")
+    """As for every backend: `megatron:t2` splits each layer over 2 tensor ranks, `megatron:p2`
+    the layers over 2 pipeline stages, `megatron:d2t2p2` both, twice over (8 ranks)."""
+
+    def check_run(self, optim: OptimizerSettings, *, use_critic: bool, algorithm: str) -> None:
+        if optim.mixed_precision != "fp32":
+            raise ValueError(
+                "the megatron backend trains in fp32 (its bf16 path is not implemented): "
+                "set optim.mixed_precision to fp32, or use fsdp"
+            )
+        if use_critic:
+            raise ValueError(
+                f"algorithm {algorithm!r} trains a critic, which the megatron backend does not "
+                "build: use fsdp for it, or a critic-free algorithm (grpo, ...)"
+            )
+
+
+BackendSpec = Annotated[FSDPSpec | ArchonSpec | MegatronSpec, Field(discriminator="type")]
+"""A run config's `backend`, discriminated on `type` (`spec_input` reads the shorthands)."""
+
+SHORTHAND_KEY = "allocation"
+"""The key a string `backend` stands for: `backend: fsdp:d2` is `backend: {allocation: fsdp:d2}`."""
+
+
+def as_section(value: Any) -> Any:
+    """A `backend` as a mapping: a string is the shorthand of its allocation."""
+    return {SHORTHAND_KEY: value} if isinstance(value, str) else value
+
+
+def spec_input(value: Any) -> Any:
+    """A `backend` as written (a string, or a mapping that may leave `type` to its allocation) in
+    the form the discriminated union validates; ValueError for an allocation that does not parse.
+    Anything else is returned as it is, for pydantic to reject."""
+    value = as_section(value)
+    if isinstance(value, dict) and "type" not in value:
+        allocation = value.get("allocation", "fsdp")
+        if isinstance(allocation, str):
+            allocation = parse_allocation(allocation)
+        if isinstance(allocation, Allocation):
+            return {"type": allocation.backend, **value}
+    return value
+
+
+class _Runtime(OptimizerSettings):
+    """What every backend's constructor takes besides its spec: the optimizer's settings (the
+    run's `optim`), the initial policy and the length of the LR schedule."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
     model_dir: str
     """Hugging Face model directory of the initial policy."""
     total_steps: int = Field(1, ge=1)
     """Steps over which `linear`/`cosine` decay the LR to 0."""
 
-    allocation: Allocation = DATA_PARALLEL
-    """The backend and its parallel strategy (a string such as `fsdp`, `fsdp:d4`, `fsdp:d2t2`,
-    `fsdp:d2c2` or `archon:d4e2` validates into one); it names this config's `type`."""
-
     @model_validator(mode="after")
-    def _check(self) -> _BackendSettings:
-        backend = self.type
-        if self.allocation.backend != backend:
-            raise ValueError(
-                f"the {backend} backend's allocation names {self.allocation.backend!r}: "
-                f"use {backend}"
-            )
-        check_implemented(self.allocation)
+    def _check_warmup(self) -> _Runtime:
         if self.schedule != "constant" and self.warmup_steps > self.total_steps:
             raise ValueError(
                 f"warmup_steps ({self.warmup_steps}) exceeds total_steps ({self.total_steps}): "
@@ -126,57 +240,55 @@ class _BackendSettings(OptimizerSettings):
         return self
 
 
-class _HFBackendSettings(_BackendSettings):
-    """The settings of the backends that train the Hugging Face model itself (fsdp, archon)."""
+class FSDPBackendConfig(FSDPSpec, _Runtime):
+    """`FSDPBackend`'s constructor arguments: its spec and the runtime settings."""
 
-    attention: Literal["varlen", "sdpa", "eager", "flash_attention_2"] = "varlen"
-    """Attention kernel of packed rows: varlen (per-sequence SDPA, `trainer.attention`), sdpa or
-    eager (one block-diagonal mask over the whole row), or flash_attention_2 (GPU, if installed)."""
-
-    @model_validator(mode="after")
-    def _check_attention(self) -> _HFBackendSettings:
-        check_context_attention(self.allocation, self.attention)
-        return self
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
-class FSDPBackendConfig(_HFBackendSettings):
-    """Settings of `trainer.backends.fsdp.FSDPBackend`: data, tensor and context parallelism (the
-    last with the varlen attention)."""
+class ArchonBackendConfig(ArchonSpec, _Runtime):
+    """`ArchonBackend`'s constructor arguments: its spec and the runtime settings."""
 
-    type: Literal["fsdp"] = "fsdp"
-    """Backend kind."""
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
-class ArchonBackendConfig(_HFBackendSettings):
-    """Settings of `trainer.backends.archon.ArchonBackend`, the MoE backend: data and expert
-    parallelism, and the router's balance loss."""
+class MegatronBackendConfig(MegatronSpec, _Runtime):
+    """`MegatronBackend`'s constructor arguments: its spec and the runtime settings (float32)."""
 
-    type: Literal["archon"] = "archon"
-    """Backend kind."""
-    allocation: Allocation = Allocation(backend="archon")
-    """As for every backend; a bare `archon` is data parallel with every expert on every rank,
-    `archon:e2` splits the experts over groups of 2 data ranks."""
-    aux_loss_coef: float = Field(0.0, ge=0)
-    """Weight of the router's per-sequence balance loss (`trainer.moe`) in the loss; 0 reports it
-    as a metric only."""
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-
-class MegatronBackendConfig(_BackendSettings):
-    """Settings of `trainer.backends.megatron.MegatronBackend`: data, tensor and pipeline
-    parallelism on megatron-core (attention is megatron-core's, over a block-diagonal mask).
-    `gradient_checkpointing` recomputes every layer (megatron-core's full recompute); training
-    is float32 (bf16 is not implemented for it)."""
-
-    type: Literal["megatron"] = "megatron"
-    """Backend kind."""
     mixed_precision: Literal["fp32"] = "fp32"
     """float32 weights and compute (megatron-core's bf16 path is not implemented here)."""
-    allocation: Allocation = Allocation(backend="megatron")
-    """As for every backend: `megatron:t2` splits each layer over 2 tensor ranks, `megatron:p2`
-    the layers over 2 pipeline stages, `megatron:d2t2p2` both, twice over (8 ranks)."""
 
 
 BackendConfig = Annotated[
     FSDPBackendConfig | ArchonBackendConfig | MegatronBackendConfig, Field(discriminator="type")
 ]
-"""Every backend's config, discriminated on `type`."""
+"""Every backend's constructor settings, discriminated on `type`."""
+
+RuntimeConfig = FSDPBackendConfig | ArchonBackendConfig | MegatronBackendConfig
+"""One backend's constructor settings (`BackendConfig` without the discriminator)."""
+
+RUNTIME_CONFIGS: dict[str, type[RuntimeConfig]] = {
+    "fsdp": FSDPBackendConfig,
+    "archon": ArchonBackendConfig,
+    "megatron": MegatronBackendConfig,
+}
+"""Each backend's constructor settings by `type`."""
+
+
+def runtime_config(
+    spec: FSDPSpec | ArchonSpec | MegatronSpec,
+    optim: OptimizerSettings,
+    *,
+    model_dir: str,
+    total_steps: int,
+) -> RuntimeConfig:
+    """The settings `spec`'s backend is built from: the spec's, the optimizer's, the model."""
+    settings = {
+        **optim.model_dump(include=set(OptimizerSettings.model_fields)),
+        **dict(spec),
+        "model_dir": model_dir,
+        "total_steps": total_steps,
+    }
+    return RUNTIME_CONFIGS[spec.type].model_validate(settings)

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from gateway.published import restore_policy
 from rlgateway.embedded import RecordingPublisher
 from rlgateway.run_merge import merge_run_config, stored_form
 from store import Store
-from tests.support.admin_client import ADMIN, app_client, engine  # noqa: F401
+from tests.support.admin_client import ADMIN, app_client
 from tests.support.deployment import (
     db_path,
     drive,
@@ -93,6 +94,37 @@ def test_a_later_trainer_extends_the_runs_max_steps() -> None:
     assert stored_form(merged)["max_steps"] == 20
 
 
+def test_a_trainers_process_settings_replace_the_runs_and_never_conflict() -> None:
+    """Identity, leases, polling, checkpoint cadence, logging and publishing are the process's
+    (`ProcessSettings`): a restarted trainer may change them; a value stored with the run is
+    a default for a trainer that gives none. The run's settings still conflict."""
+    stored = {"eta": 2, "lease_seconds": 30, "poll_seconds": 1.0, "publish": {"keep": 3}}
+    ours = train_config(lease_seconds=5, tensorboard=False, publish={"bucket_mb": 8})
+    merged = merge_run_config(stored, ours)
+    assert (merged.lease_seconds, merged.poll_seconds, merged.tensorboard) == (5, 1.0, False)
+    assert (merged.publish.bucket_mb, merged.publish.keep) == (8, 2)  # the section is ours
+    assert stored_form(merged)["lease_seconds"] == 5
+    with pytest.raises(ValueError, match="eta: the run's config says 2, --config says 1"):
+        merge_run_config(stored, train_config(eta=1, lease_seconds=5))
+
+
+def test_the_backend_section_merges_key_by_key() -> None:
+    """The run's allocation and a trainer's attention kernel make one backend; two allocations
+    conflict, named by key."""
+    merged = merge_run_config(
+        {"backend": "fsdp:d2"}, train_config(backend={"type": "fsdp", "attention": "sdpa"})
+    )
+    assert (str(merged.backend), merged.backend.attention) == ("fsdp:d2", "sdpa")
+    assert stored_form(merged)["backend"] == {
+        "type": "fsdp",
+        "allocation": "fsdp:d2",
+        "attention": "sdpa",
+    }
+    conflict = "backend.allocation: the run's config says fsdp:d2, --config says fsdp:d4"
+    with pytest.raises(ValueError, match=re.escape(conflict)):
+        merge_run_config({"backend": "fsdp:d2"}, train_config(backend="fsdp:d4"))
+
+
 def test_a_stored_config_that_is_no_training_config_is_refused() -> None:
     with pytest.raises(ValueError, match=r"stored config is not a training config \(config.task"):
         merge_run_config({"task": "x"}, train_config())
@@ -102,7 +134,7 @@ def test_a_stored_config_that_is_no_training_config_is_refused() -> None:
 
 
 async def test_republishing_the_served_version_is_a_no_op_and_each_load_is_recorded(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     store_url: str,
 ) -> None:
@@ -129,7 +161,7 @@ async def test_republishing_the_served_version_is_a_no_op_and_each_load_is_recor
 
 
 async def test_a_gateway_restores_the_newest_policy_it_can_load_and_says_what_it_serves(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     store_url: str,
     tmp_path: Path,
@@ -158,7 +190,7 @@ async def test_a_gateway_restores_the_newest_policy_it_can_load_and_says_what_it
 
 
 async def test_in_process_publishes_are_recorded_without_a_directory(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     store_url: str,
 ) -> None:

@@ -321,10 +321,12 @@ def test_a_killed_run_resumes_with_every_session_ended_and_no_row_answered_twice
             if line.startswith("step    1"):
                 break
         # the first step landed: the next step's episodes and the step's evaluation start; kill
-        # as soon as both have an episode in flight
+        # as soon as both have an episode in flight (each step brings an evaluation, so a busy
+        # machine that misses one moment gets another: wait up to two minutes for it)
         state = json.loads((out / "experiment.json").read_text())
         runs = (state["run_id"], state["eval_run_id"])
-        for _ in range(600):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
             if all(open_sessions(out, run) for run in runs):
                 break
             time.sleep(0.05)

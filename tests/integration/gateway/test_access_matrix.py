@@ -13,7 +13,7 @@ import pytest
 
 from engines.local import LocalEngine
 from store.types import SessionFilter
-from tests.support.admin_client import ADMIN, USER, App, app_client, bearer, engine  # noqa: F401
+from tests.support.admin_client import ADMIN, USER, App, app_client, bearer  # noqa: F401
 
 PRINCIPALS = ("none", "run_b", "session_b", "session_a", "run_a", "admin")
 CHAT = {"messages": USER, "max_tokens": 2, "seed": 0}
@@ -118,7 +118,7 @@ def route_key(method: str, path: str, a: str, sa: str, rid: str) -> tuple[str, s
 
 
 async def test_every_route_for_every_kind_of_key(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     store_url: str,
 ) -> None:
@@ -213,7 +213,7 @@ async def test_every_route_for_every_kind_of_key(
 
 
 async def test_denied_writes_leave_no_trace(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     store_url: str,
 ) -> None:
@@ -242,7 +242,7 @@ async def test_denied_writes_leave_no_trace(
 
 @pytest.mark.parametrize("header", ["authorization", "x-api-key"])
 async def test_keys_work_in_either_header_and_a_replaced_run_key_stops(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
     header: str,

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from engines.local import LocalEngine
 from gateway.export import SCHEMA
-from tests.support.admin_client import ADMIN, USER, app_client, bearer, engine, parse_prometheus  # noqa: F401
+from tests.support.admin_client import ADMIN, USER, app_client, bearer, parse_prometheus
 
 
-async def test_runs_lifecycle(engine: LocalEngine, tiny_model: Path, tmp_path: Path) -> None:  # noqa: F811
+async def test_runs_lifecycle(engine: LocalEngine, tiny_model: Path, tmp_path: Path) -> None:
     async with app_client(engine, tiny_model, f"sqlite:///{tmp_path / 'a.db'}") as c:
         run = await c.run({"batch_size": 4}, name="first")
         assert run["status"] == "active"
@@ -58,7 +58,7 @@ async def test_runs_lifecycle(engine: LocalEngine, tiny_model: Path, tmp_path: P
 
 
 async def test_a_run_config_is_the_trainers_and_a_bad_one_says_which_key(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -72,8 +72,11 @@ async def test_a_run_config_is_the_trainers_and_a_bad_one_says_which_key(
             ({"algorithm": "dapo"}, "set max_tokens"),
             ({"backend": "archon:t2"}, "archon: tensor parallel is not implemented yet"),
             ({"backend": "fsdp:d2e4"}, "expert size 4 must divide data x context = 2"),
-            ({"moe": {"aux_loss_coef": 0.1}}, "moe settings act under the archon backend"),
-            ({"moe": {"coef": 0.1}}, "config.moe.coef: unknown key (known here: aux_loss_coef)"),
+            ({"backend": {"aux_loss_coef": 0.1}}, "config.backend.aux_loss_coef: unknown key"),
+            (
+                {"backend": {"type": "archon", "coef": 0.1}},
+                "config.backend.coef: unknown key (known here: type, allocation, attention, aux",
+            ),
         ):
             r = await c.http.post("/runs", json={"name": "x", "config": config}, headers=ADMIN)
             assert r.status_code == 400, r.text
@@ -87,7 +90,7 @@ async def test_a_run_config_is_the_trainers_and_a_bad_one_says_which_key(
 
 
 async def test_session_browser_filters_and_pages(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -139,7 +142,7 @@ async def test_session_browser_filters_and_pages(
 
 
 async def test_one_session_texts_manual_reward_and_export(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -211,7 +214,7 @@ async def test_one_session_texts_manual_reward_and_export(
 
 
 async def test_training_series_versions_engines_and_prometheus(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -305,7 +308,7 @@ async def test_training_series_versions_engines_and_prometheus(
         assert not any(done["id"] in k for k in samples)  # stopped runs drop out
 
 
-async def test_docs_and_page_assets(engine: LocalEngine, tiny_model: Path, tmp_path: Path) -> None:  # noqa: F811
+async def test_docs_and_page_assets(engine: LocalEngine, tiny_model: Path, tmp_path: Path) -> None:
     async with app_client(engine, tiny_model, f"sqlite:///{tmp_path / 'e.db'}") as c:
         docs = await c.http.get("/docs")
         assert docs.status_code == 200

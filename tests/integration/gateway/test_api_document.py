@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from engines.local import LocalEngine
-from tests.support.admin_client import app_client, engine  # noqa: F401
+from tests.support.admin_client import app_client
 from tests.support.paths import REPO_ROOT
 
 PAGE_HEADERS = {
@@ -27,7 +27,7 @@ def operations(spec: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 async def test_every_operation_declares_its_errors_in_openai_shape(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -70,7 +70,7 @@ async def test_every_operation_declares_its_errors_in_openai_shape(
 
 
 async def test_each_session_route_documents_what_its_v1_twin_does(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -95,7 +95,7 @@ async def test_each_session_route_documents_what_its_v1_twin_does(
 
 
 async def test_docs_render_the_document_without_a_cdn(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -119,7 +119,7 @@ async def test_docs_render_the_document_without_a_cdn(
     [("/ui", 200), ("/ui/app.js", 200), ("/ui/style.css", 200), ("/", 307)],
 )
 async def test_the_page_sends_security_headers(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
     path: str,

@@ -19,12 +19,12 @@ import pytest
 
 from engines.local import LocalEngine
 from engines.tiny_model import load_tokenizer
-from tests.support.admin_client import ADMIN, bearer, engine  # noqa: F401
+from tests.support.admin_client import ADMIN
 from tests.support.edge import BIG, USER, Gw, edge_app, refused
 
 
 @pytest.fixture
-async def gw(engine: LocalEngine, tiny_model: Path, tmp_path: Path) -> AsyncIterator[Gw]:  # noqa: F811
+async def gw(engine: LocalEngine, tiny_model: Path, tmp_path: Path) -> AsyncIterator[Gw]:
     async with edge_app(engine, tiny_model, tmp_path) as g:
         yield g
 
@@ -259,7 +259,7 @@ REFUSING_TEMPLATE = (
 
 
 async def test_a_template_that_refuses_the_messages_is_a_400_in_its_words(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -295,7 +295,7 @@ null content), whether a call's arguments are given as an object or as JSON text
 
 
 async def test_a_template_that_fails_on_the_messages_is_a_400_naming_the_error(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:

@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 
 from engines.local import LocalEngine
-from tests.support.admin_client import ADMIN, engine  # noqa: F401
+from tests.support.admin_client import ADMIN
 from tests.support.edge import Gw, edge_app
 from tests.support.paths import REPO_ROOT
 from tests.support.round_trip import Post, send_result, tools_in
@@ -80,7 +80,7 @@ def family_dir(tiny_model: Path, family: str, tmp_path: Path) -> Path:
 @pytest.fixture(params=FAMILIES)
 async def g(
     request: pytest.FixtureRequest,
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> Any:

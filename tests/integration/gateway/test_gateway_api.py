@@ -5,7 +5,7 @@ map onto segments (extension, prefix breaks, parallel forks, sibling choices, re
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +21,6 @@ from store import Store
 from tests.support.components import tiny_components
 
 ADMIN = {"Authorization": "Bearer admin-token"}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> Iterator[LocalEngine]:
-    engine = LocalEngine.load(LocalEngineConfig(model=str(tiny_model)))
-    yield engine
-    asyncio.run(engine.close())
 
 
 class Client:

@@ -14,7 +14,7 @@ import pytest
 
 from engines.local import LocalEngine
 from engines.tiny_model import load_tokenizer
-from tests.support.admin_client import ADMIN, engine  # noqa: F401
+from tests.support.admin_client import ADMIN
 from tests.support.edge import Gw, edge_app, refused
 
 PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
@@ -29,7 +29,7 @@ def picture_turn(text: str) -> dict[str, Any]:
 
 @pytest.fixture
 async def refusing(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> AsyncIterator[Gw]:
@@ -39,7 +39,7 @@ async def refusing(
 
 @pytest.fixture
 async def placeholders(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> AsyncIterator[Gw]:

@@ -17,13 +17,13 @@ from engines.local import LocalEngine
 from gateway.settings import GatewaySettings
 from rlgateway.app import create_app
 from store import Store
-from tests.support.admin_client import ADMIN, bearer, engine  # noqa: F401
+from tests.support.admin_client import ADMIN
 from tests.support.components import tiny_components
 from tests.support.edge import BIG, BODY_LIMIT, USER, Gw, edge_app, refused
 
 
 @pytest.fixture
-async def gw(engine: LocalEngine, tiny_model: Path, tmp_path: Path) -> AsyncIterator[Gw]:  # noqa: F811
+async def gw(engine: LocalEngine, tiny_model: Path, tmp_path: Path) -> AsyncIterator[Gw]:
     async with edge_app(engine, tiny_model, tmp_path) as g:
         yield g
 
@@ -99,7 +99,7 @@ async def test_any_left_out_tool_name_makes_a_valid_header(gw: Gw, route: str) -
 
 
 async def test_an_unexpected_error_is_an_openai_shaped_500(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

@@ -9,14 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from engines.local import LocalEngine, LocalEngineConfig
+from engines.local import LocalEngine
 from gateway.run_configs import RunConfigs
 from gateway.settings import GatewaySettings
 from rlgateway.app import create_app
@@ -33,13 +33,6 @@ ADMIN = {"Authorization": "Bearer admin-token"}
 USER = [{"role": "user", "content": "hello"}]
 PARITY = 1e-5
 """How far a recorded behaviour logprob may lie from the trainer's at its temperature."""
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> Iterator[LocalEngine]:
-    engine = LocalEngine.load(LocalEngineConfig(model=str(tiny_model)))
-    yield engine
-    asyncio.run(engine.close())
 
 
 @pytest.fixture(scope="module")

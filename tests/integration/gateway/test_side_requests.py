@@ -16,7 +16,7 @@ import pytest
 
 from engines.local import LocalEngine
 from store.types import SessionFilter, Trajectory
-from tests.support.admin_client import ADMIN, engine  # noqa: F401
+from tests.support.admin_client import ADMIN
 from tests.support.edge import Gw, edge_app
 from trainer.algorithms.config import AlgorithmConfig
 from trainer.sequences import build_sequences
@@ -34,7 +34,7 @@ SIDE = "x-rlgateway-side"
 @pytest.fixture(params=["rules", "no rules"])
 async def g(
     request: pytest.FixtureRequest,
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> AsyncIterator[Gw]:

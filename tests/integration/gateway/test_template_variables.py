@@ -15,7 +15,7 @@ import pytest
 
 from engines.local import LocalEngine
 from engines.tiny_model import load_tokenizer
-from tests.support.admin_client import ADMIN, engine  # noqa: F401
+from tests.support.admin_client import ADMIN
 from tests.support.edge import Gw, edge_app, refused
 
 THINKING_SWITCH = (
@@ -31,7 +31,7 @@ EMPTY_THOUGHT = "<think>\n\n</think>\n\n"
 
 @pytest.fixture
 async def gw(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> AsyncIterator[Gw]:

@@ -5,8 +5,7 @@ in `x-rlgateway-max-tokens` and in the turn's record; a run that sets none is un
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import httpx2
 import openai
 import pytest
 
-from engines.local import LocalEngine, LocalEngineConfig
+from engines.local import LocalEngine
 from gateway.settings import GatewaySettings
 from rlgateway.app import create_app
 from store import Store
@@ -30,13 +29,6 @@ CAP = 8
 ASKED = 500
 LONG = {"ignore_eos": True}
 """Every reply runs to its maximum, so a count of new tokens shows the maximum it had."""
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> Iterator[LocalEngine]:
-    engine = LocalEngine.load(LocalEngineConfig(model=str(tiny_model)))
-    yield engine
-    asyncio.run(engine.close())
 
 
 class Gw:

@@ -18,7 +18,7 @@ import asyncio
 import json
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import httpx
 import openai
 import pytest
 
-from engines.local import LocalEngine, LocalEngineConfig
+from engines.local import LocalEngine
 from gateway.settings import GatewaySettings
 from rlgateway.app import create_app
 from store import Store
@@ -40,13 +40,6 @@ from trainer.sequences import build_sequences
 ADMIN = {"Authorization": "Bearer admin-token"}
 USER = [{"role": "user", "content": "hello"}]
 FOREVER = {"max_tokens": 1900, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> Iterator[LocalEngine]:
-    engine = LocalEngine.load(LocalEngineConfig(model=str(tiny_model)))
-    yield engine
-    asyncio.run(engine.close())
 
 
 class Gw:
@@ -296,6 +289,7 @@ async def test_a_retry_after_an_unseen_turn_continues_the_segment(
 async def test_a_7mb_message_does_not_stall_health(gw: Gw) -> None:
     s = await gw.session()
     big = [{"role": "user", "content": "lorem ipsum " * 583_000}]  # 7.0 MB, under the 8 MB limit
+    started = time.perf_counter()
     request = asyncio.create_task(gw.chat(s, big))
     latencies = []
     while not request.done():
@@ -305,11 +299,18 @@ async def test_a_7mb_message_does_not_stall_health(gw: Gw) -> None:
         assert r.status_code == 200
         await asyncio.sleep(0.02)
     answer = await request
+    took = time.perf_counter() - started
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["code"] == "context_length_exceeded"
     assert len(latencies) >= 10, "the request was answered before /health was measured"
-    assert max(latencies) < 1.0, f"/health stalled {max(latencies):.2f} s"
-    print(f"/health during a 7 MB message: {len(latencies)} calls, max {max(latencies):.3f} s")
+    # Not a deadline (the machine may be busy): rendered and tokenized on the event loop, the
+    # request would hold /health for about its whole time; off it, /health waits at most for the
+    # tokenizer's hold of the GIL (a fraction of a second of the ~8 s it takes here).
+    print(
+        f"/health during a 7 MB message: {len(latencies)} calls in {took:.1f} s,"
+        f" longest {max(latencies):.3f} s"
+    )
+    assert max(latencies) < took / 4, f"/health waited {max(latencies):.2f} s of {took:.2f} s"
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from engines.local import LocalEngine
 from store import ConflictError, Store
 from store.sessions import MAX_FAILURE_CHARS
 from store.types import Outcome, SessionStatus, TrainState
-from tests.support.admin_client import ADMIN, app_client, bearer, engine, parse_prometheus  # noqa: F401
+from tests.support.admin_client import ADMIN, app_client, bearer, parse_prometheus
 from tests.support.store_records import OWNER, claim, group, ids, outcomes
 
 DEADLINE = 900.0
@@ -113,7 +113,7 @@ async def test_failing_again_with_the_same_reason_changes_nothing(store: Store) 
 
 
 async def test_ending_a_session_as_failed_over_http(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:

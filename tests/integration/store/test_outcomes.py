@@ -17,7 +17,7 @@ import pytest
 from engines.local import LocalEngine
 from store import ConflictError, Store
 from store.types import Outcome, TrainState
-from tests.support.admin_client import ADMIN, app_client, bearer, engine, parse_prometheus  # noqa: F401
+from tests.support.admin_client import ADMIN, app_client, bearer, parse_prometheus
 from tests.support.store_records import OWNER, claim, group, ids, outcomes, record
 from trainer.backends.registry import build_backend
 from trainer.config import TrainConfig
@@ -329,7 +329,7 @@ async def test_side_requests_are_never_trained_by_the_trainer(
 
 
 async def test_outcomes_and_late_rewards_over_http(
-    engine: LocalEngine,  # noqa: F811
+    engine: LocalEngine,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:

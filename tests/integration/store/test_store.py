@@ -301,8 +301,8 @@ async def test_concurrent_writers_never_hit_a_locked_database(store: Store) -> N
 async def test_concurrent_turns_commit_together_and_fail_alone(
     store: Store, store_url: str
 ) -> None:
-    """A burst of turns (the gateway's decode step finishing many at once) commits as one group
-    on SQLite; a turn that must fail (its session ended) fails alone and writes nothing."""
+    """A burst of turns (the gateway's decode step finishing many at once) commits as one group,
+    on both backends; a turn that must fail (its session ended) fails alone and writes nothing."""
     run = await store.create_run("burst", {})
     sids = [n.info.id for n in await store.create_sessions(run.id, 12)]
     await store.end_session(sids[5])
@@ -325,17 +325,31 @@ async def test_concurrent_turns_commit_together_and_fail_alone(
 
 
 async def test_a_turn_costs_a_few_statements_and_a_burst_no_more(store: Store) -> None:
-    """The commit path is set-based: one turn is a handful of SQL statements, and on SQLite a
-    burst of 32 turns (one group commit) costs no more than two or three turns would."""
+    """The commit path is set-based: one turn is a handful of SQL statements, and a burst of 32
+    turns (one group commit) costs no more than two or three turns would, on both backends;
+    without group commit (`Store.connect(group_commit=False)`) each turn pays its own."""
     run = await store.create_run("statements", {})
-    sids = [n.info.id for n in await store.create_sessions(run.id, 33)]
+    sids = [n.info.id for n in await store.create_sessions(run.id, 65)]
     statements: list[str] = []
 
     def seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         if not statement.lstrip().upper().startswith(("BEGIN", "COMMIT", "PRAGMA")):
             statements.append(statement)
 
-    engines = store._db.sync_engines
+    async def burst(s: Store, group: list[str]) -> int:
+        statements.clear()
+        await asyncio.gather(
+            *(
+                s.record_completions(
+                    [rec(f"{sid}-0", sid, 0, prompt=[1], prefix_len=0, output=[2], opens=True)]
+                )
+                for sid in group
+            )
+        )
+        return len(statements)
+
+    alone = await Store.connect(store.url, upgrade=False, group_commit=False)
+    engines = [*store._db.sync_engines, *alone._db.sync_engines]
     for engine in engines:
         event.listen(engine, "before_cursor_execute", seen)
     try:
@@ -348,23 +362,16 @@ async def test_a_turn_costs_a_few_statements_and_a_burst_no_more(store: Store) -
             [rec(f"{sids[0]}-1", sids[0], 0, prompt=[1, 2, 3, 4], prefix_len=3, output=[5])]
         )
         extending = len(statements)
-        statements.clear()
-        await asyncio.gather(
-            *(
-                store.record_completions(
-                    [rec(f"{sid}-0", sid, 0, prompt=[1], prefix_len=0, output=[2], opens=True)]
-                )
-                for sid in sids[1:]
-            )
-        )
-        burst = len(statements)
+        grouped = await burst(store, sids[1:33])
+        ungrouped = await burst(alone, sids[33:])
     finally:
         for engine in engines:
             event.remove(engine, "before_cursor_execute", seen)
+        await alone.close()
     assert opening <= 6, statements
     assert extending <= 7, statements
-    if store.url.startswith("sqlite"):
-        assert burst <= 3 * 6, f"{burst} statements for 32 turns"
+    assert grouped <= 3 * 6, f"{grouped} statements for 32 turns"
+    assert ungrouped >= 32 * 3, f"{ungrouped} statements for 32 turns, each its own"
     for sid in sids[1:]:
         assert (await store.session_detail(sid)).segments[0].tokens == [1, 2]
 

@@ -203,8 +203,9 @@ def test_an_allocation_names_tensor_and_pipeline_sizes(tmp_path: Path) -> None:
     assert (strategy.data, strategy.tensor, strategy.pipeline) == (1, 2, 2)
     with pytest.raises(ValueError, match="context parallel is not implemented"):
         validate_config({"run": "r", "backend": "megatron:c2"})
-    with pytest.raises(ValueError, match=r"drop optim\.attention"):
-        validate_config({"run": "r", "backend": "megatron", "optim": {"attention": "sdpa"}})
+    unknown = r"backend\.attention: unknown key \(known here: type, allocation\)"
+    with pytest.raises(ValueError, match=unknown):
+        validate_config({"run": "r", "backend": {"type": "megatron", "attention": "sdpa"}})
     with pytest.raises(ValueError, match="trains a critic"):
         validate_config({"run": "r", "backend": "megatron", "algorithm": "ppo"})
     with pytest.raises(ValueError, match="fp32"):

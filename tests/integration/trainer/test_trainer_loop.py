@@ -217,7 +217,7 @@ def test_trainer_under_torchrun_with_two_processes(
         model = tiny_model_dir(size="demo") if backend == "fsdp:t2" else tiny_model
     batch, steps = 4, 3
     run_id = record_trajectories(model, tmp_path, batch * steps)
-    extra: dict[str, Any] = {"moe": {"aux_loss_coef": 0.01}} if moe else {}
+    section = {"allocation": backend, "aux_loss_coef": 0.01} if moe else backend
     config = write_run_config(
         tmp_path,
         model,
@@ -225,8 +225,7 @@ def test_trainer_under_torchrun_with_two_processes(
         batch_size=batch,
         max_steps=steps,
         eta=steps,
-        backend=backend,
-        **extra,
+        backend=section,
     )
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

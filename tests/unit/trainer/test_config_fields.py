@@ -109,10 +109,10 @@ def test_each_optimizer_setting_is_declared_once_with_one_default() -> None:
         MegatronBackendConfig,
         OptimizerSettings,
     )
-    from trainer.config import OptimConfig
 
+    assert TrainConfig.model_fields["optim"].annotation is OptimizerSettings
     fields = set(OptimizerSettings.model_fields)
-    for model in (OptimConfig, FSDPBackendConfig, ArchonBackendConfig, MegatronBackendConfig):
+    for model in (FSDPBackendConfig, ArchonBackendConfig, MegatronBackendConfig):
         assert issubclass(model, OptimizerSettings)
         for name in fields:
             if model is MegatronBackendConfig and name == "mixed_precision":
@@ -143,3 +143,31 @@ def test_each_optimizer_setting_is_declared_once_with_one_default() -> None:
 def test_the_check_can_fail() -> None:
     assert "no_such_knob_anywhere" not in READS
     assert "eps_low" in READS
+
+
+def test_each_backend_setting_is_declared_once_in_its_spec() -> None:
+    """A backend's own settings (`attention`, `aux_loss_coef`) live in its spec, the run config's
+    `backend` section, and nowhere else: not in `optim`, not at the top level; the constructor
+    settings a backend is built from are its spec's and the optimizer's declarations, unchanged."""
+    from trainer.backends.config import (
+        RUNTIME_CONFIGS,
+        ArchonSpec,
+        FSDPSpec,
+        MegatronSpec,
+        OptimizerSettings,
+    )
+
+    specs = {"fsdp": FSDPSpec, "archon": ArchonSpec, "megatron": MegatronSpec}
+    own = {name for spec in specs.values() for name in spec.model_fields} - {"type", "allocation"}
+    assert own == {"attention", "aux_loss_coef"}
+    assert not own & (set(OptimizerSettings.model_fields) | set(TrainConfig.model_fields))
+    for kind, spec in specs.items():
+        runtime = RUNTIME_CONFIGS[kind]
+        assert issubclass(runtime, spec)
+        assert issubclass(runtime, OptimizerSettings)
+        optimizer = set(OptimizerSettings.model_fields)
+        assert set(runtime.model_fields) == (
+            set(spec.model_fields) | optimizer | {"model_dir", "total_steps"}
+        )
+        for name, field in spec.model_fields.items():
+            assert repr(runtime.model_fields[name]) == repr(field), (kind, name)

@@ -223,12 +223,12 @@ def test_what_no_backend_implements_is_refused_at_load(text: str, message: str) 
 )
 def test_data_tensor_and_context_parallel_fsdp_is_accepted(text: str) -> None:
     assert check_implemented(parse_allocation(text)) == parse_allocation(text)
-    assert validate_config({"backend": text}).backend == str(parse_allocation(text))
+    assert str(validate_config({"backend": text}).backend) == str(parse_allocation(text))
 
 
 def test_the_run_config_hands_its_allocation_to_the_backend() -> None:
     default = TrainConfig(run="r")
-    assert default.backend == "fsdp"
+    assert str(default.backend) == "fsdp"
     assert default.backend_config("m").allocation == DATA_PARALLEL == parse_allocation("fsdp")
     # a bare fsdp keeps data parallelism over every rank, however many torchrun starts
     assert all(DATA_PARALLEL.for_world(w) == ParallelStrategy(data=w) for w in (1, 2, 8))
@@ -241,11 +241,12 @@ def test_the_run_config_hands_its_allocation_to_the_backend() -> None:
 @pytest.mark.parametrize("text", ["archon", "archon:e2", "archon:d4e2", "archon:d2e1"])
 def test_data_and_expert_parallel_archon_is_accepted(text: str) -> None:
     assert check_implemented(parse_allocation(text)) == parse_allocation(text)
-    assert validate_config({"backend": text}).backend == str(parse_allocation(text))
+    assert str(validate_config({"backend": text}).backend) == str(parse_allocation(text))
 
 
 def test_the_run_config_builds_the_moe_backend_with_its_settings() -> None:
-    config = TrainConfig(run="r", backend="archon:e2", moe={"aux_loss_coef": 0.01})
+    section = {"allocation": "archon:e2", "aux_loss_coef": 0.01}
+    config = TrainConfig(run="r", backend=section)
     built = config.backend_config("m")
     assert isinstance(built, ArchonBackendConfig)
     assert (built.type, built.aux_loss_coef) == ("archon", 0.01)
@@ -254,9 +255,16 @@ def test_the_run_config_builds_the_moe_backend_with_its_settings() -> None:
     assert isinstance(critic, ArchonBackendConfig)
     assert critic.aux_loss_coef == 0.01
     assert isinstance(TrainConfig(run="r").backend_config("m"), FSDPBackendConfig)
-    # a setting the backend would not read is refused
-    with pytest.raises(ValidationError, match="moe settings act under the archon backend"):
-        TrainConfig(run="r", moe={"aux_loss_coef": 0.01})
+    # the section with its type, and the spelling of configs stored before it (moe:) read alike
+    typed = {"type": "archon", **section}
+    assert TrainConfig(run="r", backend=typed).backend == config.backend
+    legacy = TrainConfig(run="r", backend="archon:e2", moe={"aux_loss_coef": 0.01})
+    assert legacy.backend == config.backend
+    # a setting the backend would not read is refused, by name
+    with pytest.raises(ValueError, match=r"backend.aux_loss_coef: unknown key \(known here: "):
+        validate_config({"backend": {"aux_loss_coef": 0.01}})
+    with pytest.raises(ValueError, match=r"backend.aux_loss_coef: unknown key"):
+        validate_config({"moe": {"aux_loss_coef": 0.01}})
     with pytest.raises(ValidationError, match="allocation names 'fsdp': use archon"):
         ArchonBackendConfig(model_dir="m", allocation="fsdp")
 
@@ -274,9 +282,11 @@ def test_the_fsdp_config_takes_only_what_fsdp_implements() -> None:
 
 
 def test_a_context_parallel_run_config_needs_the_varlen_attention() -> None:
-    assert validate_config({"backend": "fsdp:c2"}).backend == "fsdp:c2"
+    assert str(validate_config({"backend": "fsdp:c2"}).backend) == "fsdp:c2"
     message = "context parallel c2 runs Ulysses attention around the varlen kernel, not 'sdpa'"
     with pytest.raises(ValueError, match=re.escape(message)):
+        validate_config({"backend": {"allocation": "fsdp:c2", "attention": "sdpa"}})
+    with pytest.raises(ValueError, match=re.escape(message)):  # as configs stored before said it
         validate_config({"backend": "fsdp:c2", "optim": {"attention": "sdpa"}})
     with pytest.raises(ValidationError, match=r"unknown dimension 'q'"):
         FSDPBackendConfig(model_dir="m", allocation="fsdp:q2")
