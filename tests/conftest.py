@@ -41,10 +41,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def xdist_group(item: pytest.Item) -> str | None:
-    """The group `item` runs in: vLLM's, its module's if it uses a fixture its module shares,
-    else none (it goes wherever a worker is free)."""
+    """The group `item` runs in: vLLM's, the one its module names, its module's if it uses a
+    fixture its module shares, else none (it goes wherever a worker is free)."""
     if "vllm_url" in getattr(item, "fixturenames", ()) or item.get_closest_marker("vllm"):
         return VLLM_GROUP
+    if item.get_closest_marker("xdist_group"):
+        return None  # a group its module names (the fleet tests: one fleet at a time)
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return None

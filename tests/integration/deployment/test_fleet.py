@@ -33,6 +33,7 @@ from tests.support.gateway_server import REPO_ROOT, free_port, run_gateway
 from tests.support.load_balancer import REPLICA_HEADER
 from tests.support.procs import live_children
 
+# one fleet (two gateways, HAProxy, agents) at a time: both modules on one worker
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.xdist_group("fleet")]
 
 

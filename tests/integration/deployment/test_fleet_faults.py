@@ -28,6 +28,7 @@ import pytest
 from tests.support.deployment import run_config, trainer, wait_until
 from tests.support.fleet import Fleet, run_fleet
 
+# one fleet (two gateways, HAProxy, agents) at a time: both modules on one worker
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.xdist_group("fleet")]
 
 AGENTS = 6

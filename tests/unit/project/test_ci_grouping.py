@@ -58,6 +58,10 @@ def server():
 @pytest.mark.parametrize("n", range(4))
 def test_shared(server, n):
     pass
+
+@pytest.mark.xdist_group("named")
+def test_named(server):
+    pass
 """
 
 
@@ -85,3 +89,4 @@ def test_every_vllm_test_goes_to_one_worker(tmp_path: Path) -> None:
     assert len(shared) == 4, out.stdout
     assert all(suffix.endswith("@test_module.py") for _, suffix in shared), out.stdout
     assert len({worker for worker, _ in shared}) == 1, out.stdout
+    assert [suffix for _, name, suffix in placed if name == "test_named"] == ["@named"]
