@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from sqlalchemy import ColumnElement, Select, and_, func, select
+from sqlalchemy import ColumnElement, and_, func, select
 
 from store.db import Database
 from store.sessions import info_from_row
@@ -17,10 +17,17 @@ from store.types import JSON, SessionFilter, SessionStatus, SessionSummary, Turn
 MAX_PAGE = 500
 
 
-def _reward_sums() -> Select[str, float]:
-    return select(
-        RewardRow.session_id.label("session_id"), func.sum(RewardRow.value).label("total")
-    ).group_by(RewardRow.session_id)
+def _reward_total() -> ColumnElement[float]:
+    """The session's reward total (NULL without rewards), read per session through the rewards'
+    session index: a page reads the rewards of its own sessions, not the whole run's (a sum over
+    every reward, joined, made each page of a long run's browser and each batch of its export
+    cost the run's whole history: BENCHMARKS.md, "Store")."""
+    return (
+        select(func.sum(RewardRow.value))
+        .where(RewardRow.session_id == SessionRow.id)
+        .correlate(SessionRow)
+        .scalar_subquery()
+    )
 
 
 def _where(run_id: str, f: SessionFilter, total: ColumnElement[float]) -> list[ColumnElement[bool]]:
@@ -63,8 +70,8 @@ async def list_sessions(
         raise ValueError(f"limit must lie in [1, {MAX_PAGE}], got {limit}")
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
-    sums = _reward_sums().subquery()
-    conds = _where(run_id, f, sums.c.total)
+    total = _reward_total()
+    conds = _where(run_id, f, total)
     # the turns its client got or may have got: a replaced attempt is no turn of the session
     turns = (
         select(func.count(CompletionRow.id))
@@ -75,16 +82,9 @@ async def list_sessions(
         .correlate(SessionRow)
         .scalar_subquery()
     )
-    base = select(SessionRow, sums.c.total, turns.label("turns")).outerjoin(
-        sums, sums.c.session_id == SessionRow.id
-    )
+    base = select(SessionRow, total.label("total"), turns.label("turns"))
     async with db.read() as s:
-        count = await s.scalar(
-            select(func.count())
-            .select_from(SessionRow)
-            .outerjoin(sums, sums.c.session_id == SessionRow.id)
-            .where(*conds)
-        )
+        count = await s.scalar(select(func.count()).select_from(SessionRow).where(*conds))
         rows = await s.execute(
             base.where(*conds)
             .order_by(SessionRow.created_at.desc(), SessionRow.id.desc())
@@ -109,15 +109,10 @@ async def iter_sessions(
     segment's transcript by segment id; `batch` sessions per read. Aborted turns and side
     requests' turns are left out unless `f.include_aborted`, `f.include_side` (see
     `store.trajectories`)."""
-    sums = _reward_sums().subquery()
-    conds = _where(run_id, f, sums.c.total)
+    conds = _where(run_id, f, _reward_total())
     after: tuple[object, str] | None = None
     while True:
-        stmt = (
-            select(SessionRow.id, SessionRow.created_at)
-            .outerjoin(sums, sums.c.session_id == SessionRow.id)
-            .where(*conds)
-        )
+        stmt = select(SessionRow.id, SessionRow.created_at).where(*conds)
         if after is not None:
             created, sid = after
             stmt = stmt.where(

@@ -219,7 +219,7 @@ async def run_counts(db: Database, run_id: str) -> tuple[int, int]:
     sessions, and ended sessions holding a reward that were not dropped by the trainer (stale or
     filtered ones are settled at step -1)."""
     async with db.read() as s:
-        return await counts_in(s, run_id)
+        return await s.run_sync(counts_in, run_id)
 
 
 async def renew(db: Database, session_ids: list[str], *, owner: str, lease_seconds: float) -> int:
@@ -335,12 +335,21 @@ async def claim_groups(
                 .order_by(SessionRow.ended_at, SessionRow.id)
             )
         ).all()
-        failed_rows = await s.execute(
-            select(SessionRow.group_id, func.count())
-            .where(SessionRow.run_id == run_id, SessionRow.outcome == Outcome.FAILED.value)
-            .group_by(SessionRow.group_id)
-        )
-        failed = {gid: int(n) for gid, n in failed_rows.all() if gid is not None}
+        # the failed members of the groups at hand only (by the run's group index): the run's
+        # history of failures is not read at every poll (BENCHMARKS.md, "Store")
+        group_ids = sorted({gid for _, gid, _ in rows if gid is not None})
+        failed: dict[str, int] = {}
+        if group_ids:
+            failed_rows = await s.execute(
+                select(SessionRow.group_id, func.count())
+                .where(
+                    SessionRow.run_id == run_id,
+                    SessionRow.group_id.in_(group_ids),
+                    SessionRow.outcome == Outcome.FAILED.value,
+                )
+                .group_by(SessionRow.group_id)
+            )
+            failed = {gid: int(n) for gid, n in failed_rows.all() if gid is not None}
         groups: dict[str, list[str]] = defaultdict(list)
         first_end: dict[str, datetime] = {}
         for sid, gid, ended in rows:

@@ -8,10 +8,24 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any, cast
 
-from sqlalchemy import ColumnElement, exists, func, or_, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Table,
+    bindparam,
+    exists,
+    func,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from store.db import Database, new_id, utcnow
 from store.errors import ConflictError, NotFoundError
@@ -32,6 +46,25 @@ def hash_key(api_key: str) -> str:
 def run_from_row(row: RunRow) -> Run:
     return Run(
         id=row.id, name=row.name, config=row.config, status=row.status, created_at=row.created_at
+    )
+
+
+def info_from_columns(row: Mapping[str, Any] | RowMapping) -> SessionInfo:
+    """The session of a `sessions` row's columns (a Core row, or the values inserted)."""
+    outcome = row["outcome"]
+    return SessionInfo(
+        id=row["id"],
+        run_id=row["run_id"],
+        group_id=row["group_id"],
+        metadata=row["metadata"],
+        status=SessionStatus.ACTIVE if row["ended_at"] is None else SessionStatus.ENDED,
+        created_at=row["created_at"],
+        ended_at=row["ended_at"],
+        prefix_breaks=row["prefix_breaks"],
+        train_state=TrainState(row["train_state"]),
+        outcome=Outcome(outcome) if outcome is not None else None,
+        consumed_step=row["consumed_step"],
+        failure=row["failure"],
     )
 
 
@@ -102,32 +135,62 @@ async def create_sessions(
     now = utcnow()
     keys = ["rlg-" + secrets.token_urlsafe(32) for _ in range(count)]
     rows = [
-        SessionRow(
-            id=new_id("sess"),
-            run_id=run_id,
-            group_id=group_id,
-            meta=dict(metadata or {}),
-            key_hash=hash_key(key),
-            created_at=now,
-            ended_at=None,
-            prefix_breaks=0,
-            turn_count=0,
-            train_state=TrainState.PENDING.value,
-            lease_owner=None,
-            lease_expires_at=None,
-            consumed_step=None,
-        )
+        {
+            "id": new_id("sess"),
+            "run_id": run_id,
+            "group_id": group_id,
+            "metadata": dict(metadata or {}),
+            "key_hash": hash_key(key),
+            "created_at": now,
+            "ended_at": None,
+            "prefix_breaks": 0,
+            "turn_count": 0,
+            "train_state": TrainState.PENDING.value,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "consumed_step": None,
+            "outcome": None,
+            "failure": None,
+        }
         for key in keys
     ]
-    async with db.write() as s:
-        # The run's row is locked (FOR UPDATE on PostgreSQL; SQLite's write transaction locks the
-        # file): gateways creating sessions of one run at once are admitted one after the other.
-        if await s.get(RunRow, run_id, with_for_update=True) is None:
-            raise NotFoundError(f"no run {run_id!r}: create the run before its sessions")
+
+    def write(s: Connection) -> None:
         if admit is not None:
-            admit(*await counts_in(s, run_id))
-        s.add_all(rows)
-    return [NewSession(info=info_from_row(r), api_key=k) for r, k in zip(rows, keys, strict=True)]
+            # The run's row is locked (FOR UPDATE on PostgreSQL; SQLite's write transaction locks
+            # the file): gateways creating sessions of one run at once are admitted one after the
+            # other.
+            if s.scalar(_LOCK_RUN, {"id": run_id}) is None:
+                raise run_not_found()
+            admit(*counts_in(s, run_id))
+        s.execute(insert(_SESSIONS), rows)
+
+    def run_not_found() -> NotFoundError:
+        return NotFoundError(f"no run {run_id!r}: create the run before its sessions")
+
+    try:
+        await db.write_sync(write)
+    except IntegrityError as exc:  # without admission, the run's foreign key is the check
+        async with db.read() as s:
+            if await s.get(RunRow, run_id) is None:
+                raise run_not_found() from exc
+        raise
+    return [
+        NewSession(info=info_from_columns(r), api_key=k) for r, k in zip(rows, keys, strict=True)
+    ]
+
+
+_SESSIONS = cast(Table, SessionRow.__table__)
+# Core statements on the hot paths (an agent's session made and ended), not the ORM's unit of work
+# (six times a turn's recording in CPU: BENCHMARKS.md, "Store")
+_LOCK_RUN = select(RunRow.id).where(RunRow.id == bindparam("id")).with_for_update()
+_END = (
+    update(_SESSIONS)
+    .where(_SESSIONS.c.id == bindparam("_id"), _SESSIONS.c.ended_at.is_(None))
+    .values(ended_at=bindparam("_now"))
+    .returning(*_SESSIONS.c)
+)
+_SESSION = select(_SESSIONS).where(_SESSIONS.c.id == bindparam("_id"))
 
 
 def rewarded() -> ColumnElement[bool]:
@@ -135,20 +198,32 @@ def rewarded() -> ColumnElement[bool]:
     return exists().where(RewardRow.session_id == SessionRow.id, RewardRow.late.is_(False))
 
 
-async def counts_in(s: AsyncSession, run_id: str) -> tuple[int, int]:
-    """(running, accepted) sessions of a run in the transaction `s` (`Store.run_counts`)."""
-    running = await s.scalar(
-        select(func.count()).where(SessionRow.run_id == run_id, SessionRow.ended_at.is_(None))
-    )
-    accepted = await s.scalar(
+def counts_in(s: Connection | Session, run_id: str) -> tuple[int, int]:
+    """(running, accepted) sessions of a run in the transaction `s` (`Store.run_counts`).
+
+    Accepted: ended, holding a reward the trainer reads, not dropped by it (settled at step -1).
+    Counted in two parts: the trained ones (`consumed_step >= 1`: only ended, rewarded sessions
+    are ever claimed, and a reward is never taken back) from an index alone, however long the
+    run's history; the ones not settled yet, few, with their rewards."""
+    running = s.scalar(  # a session not ended is pending (claims take ended ones): indexed
         select(func.count()).where(
             SessionRow.run_id == run_id,
-            SessionRow.ended_at.is_not(None),
-            rewarded(),
-            or_(SessionRow.consumed_step.is_(None), SessionRow.consumed_step >= 0),
+            SessionRow.train_state == TrainState.PENDING.value,
+            SessionRow.ended_at.is_(None),
         )
     )
-    return int(running or 0), int(accepted or 0)
+    trained = s.scalar(
+        select(func.count()).where(SessionRow.run_id == run_id, SessionRow.consumed_step >= 1)
+    )
+    waiting = s.scalar(
+        select(func.count()).where(
+            SessionRow.run_id == run_id,
+            SessionRow.train_state.in_((TrainState.PENDING.value, TrainState.CLAIMED.value)),
+            SessionRow.ended_at.is_not(None),
+            rewarded(),
+        )
+    )
+    return int(running or 0), int(trained or 0) + int(waiting or 0)
 
 
 async def session_turns(db: Database, session_id: str) -> int:
@@ -176,18 +251,10 @@ async def session_for_key(db: Database, api_key: str) -> SessionInfo | None:
 
 async def end_session(db: Database, session_id: str, *, failure: str | None = None) -> SessionInfo:
     """See `Store.end_session`."""
-    reason = None if failure is None else _stored_failure(failure)
+    if failure is None:
+        return await db.write_sync(partial(_end, session_id=session_id))
+    reason = _stored_failure(failure)
     async with db.write() as s:
-        if reason is None:
-            await s.execute(
-                update(SessionRow)
-                .where(SessionRow.id == session_id, SessionRow.ended_at.is_(None))
-                .values(ended_at=utcnow())
-            )
-            row = await s.get(SessionRow, session_id)
-            if row is None:
-                raise session_not_found(session_id)
-            return info_from_row(row)
         row = await s.get(SessionRow, session_id, with_for_update=True)
         if row is None:
             raise session_not_found(session_id)
@@ -214,6 +281,16 @@ async def end_session(db: Database, session_id: str, *, failure: str | None = No
         )
         await s.refresh(row)
         return info_from_row(row)
+
+
+def _end(s: Connection, session_id: str) -> SessionInfo:
+    # one statement for an active session; a second reads one that had ended, or finds none
+    row = s.execute(_END, {"_id": session_id, "_now": utcnow()}).first()
+    if row is None:
+        row = s.execute(_SESSION, {"_id": session_id}).first()
+    if row is None:
+        raise session_not_found(session_id)
+    return info_from_columns(row._mapping)
 
 
 def _stored_failure(failure: str) -> str:

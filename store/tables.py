@@ -96,6 +96,7 @@ class SessionRow(Base):
         Index("ix_sessions_run_id_group_id", "run_id", "group_id"),
         Index("ix_sessions_run_id_train_state_ended_at", "run_id", "train_state", "ended_at"),
         Index("ix_sessions_run_id_created_at", "run_id", "created_at"),
+        Index("ix_sessions_run_id_consumed_step", "run_id", "consumed_step"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)

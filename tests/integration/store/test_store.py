@@ -112,6 +112,8 @@ async def test_runs_sessions_and_bearer_keys(store: Store, store_url: str) -> No
         await store.create_sessions(run.id, 1025)
     with pytest.raises(NotFoundError, match="run_missing"):
         await store.create_sessions("run_missing", 1)
+    with pytest.raises(NotFoundError, match="run_missing"):  # admitted under the run's lock
+        await store.create_sessions("run_missing", 1, admit=lambda running, accepted: None)
     with pytest.raises(NotFoundError):
         await store.get_session("sess_missing")
     with pytest.raises(NotFoundError):

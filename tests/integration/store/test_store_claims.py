@@ -14,7 +14,7 @@ from store import (
     NotFoundError,
     Store,
 )
-from store.types import TrainState
+from store.types import Outcome, TrainState
 from tests.support.store_records import one_turn_session, rec
 
 
@@ -147,3 +147,29 @@ async def test_concurrent_claims_get_disjoint_sets_that_cover_everything(store: 
     assert not got_a & got_b
     assert got_a | got_b == ids
     assert sorted([len(got_a), len(got_b)]) == [5, 15]
+
+
+async def test_run_counts_count_what_admission_bounds_in_every_state(store: Store) -> None:
+    """Staleness admission's (running, accepted): running sessions are those not ended;
+    accepted ones ended holding a reward the trainer reads and were not dropped by it, whether
+    waiting, claimed or trained, and again once a crashed step's sessions are requeued."""
+    run = await store.create_run("counts", {})
+    sids = [await one_turn_session(store, run.id, f"n{i}") for i in range(9)]
+    _active, active_rewarded, unrewarded, waiting, claimed, trained, dropped, failed, late = sids
+    for sid in (active_rewarded, waiting, claimed, trained, dropped, late):
+        await store.add_reward(sid, 1.0)
+    for sid in (unrewarded, waiting, claimed, trained, dropped, late):
+        await store.end_session(sid)
+    await store.end_session(failed, failure="the agent fell over")
+    assert await store.run_counts(run.id) == (2, 5)
+
+    taken = await store.claim(run.id, limit=10, owner="t", lease_seconds=60)
+    assert {t.session.id for t in taken} == {waiting, claimed, trained, dropped, late}
+    await store.mark_consumed([trained, late], owner="t", step=1)  # late: trained, ...
+    await store.add_reward(late, 2.0, late="record")  # ... then a late reward: still counted once
+    await store.mark_consumed([dropped], owner="t", step=-1, outcome=Outcome.STALE)
+    await store.release([waiting], owner="t")
+    assert await store.run_counts(run.id) == (2, 4)  # waiting, claimed, trained, late
+
+    assert await store.requeue_after(run.id, step=0) == 2  # the trainer's step 1 was lost
+    assert await store.run_counts(run.id) == (2, 4)
