@@ -342,9 +342,11 @@ async def test_ppo_trains_a_critic_and_resumes_it_exactly(tiny_model: Path, tmp_
         fresh = build_value_backend(
             cfg.critic_backend_config(model).model_copy(update={"lr": 2e-5})
         )
-        losses = [s["loss"] for s in critic_steps(fresh, 5)]
+        losses = [s["loss"] for s in critic_steps(fresh, 8)]
         # Adam may overshoot by a little near the fit (seen: 0.0155 -> 0.0165 at step 5, and
         # 0.0089 -> 0.0092 -> 0.0103 at steps 3-5), so the claim is the fit, not a loss that
-        # falls at every step: far below the start, and the last steps near the best one.
+        # falls at every step: far below the start, and the last steps near the best one. Eight
+        # steps: how fast it fits depends on the batch the agents sampled (one fell 11% a step,
+        # 0.819 -> 0.497 in five, just short of 0.6 of its start).
         assert losses[-1] < 0.6 * losses[0], losses
         assert min(losses[-2:]) <= 1.25 * min(losses), losses
