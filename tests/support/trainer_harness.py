@@ -26,6 +26,7 @@ from trainer.config import TrainConfig
 ADMIN = {"Authorization": "Bearer admin"}
 PROMPT = [{"role": "user", "content": "write lowercase letters"}]
 MAX_TOKENS = 16
+ADMISSION_WAIT_S = 300.0
 
 
 def grade(text: str) -> float:
@@ -50,13 +51,17 @@ class Harness:
         return run_id
 
     async def group(self, run_id: str, size: int, gid: str) -> list[dict[str, Any]]:
-        """Create a GRPO group, waiting while the gateway's admission says 429."""
+        """Create a GRPO group, waiting while the gateway's admission says 429 (at most
+        `ADMISSION_WAIT_S`: a run whose admission never frees fails the test, not hangs it)."""
+        deadline = asyncio.get_running_loop().time() + ADMISSION_WAIT_S
         while True:
             r = await self.http.post(
                 f"/runs/{run_id}/sessions", json={"count": size, "group_id": gid}, headers=ADMIN
             )
             if r.status_code == 429:
                 assert r.headers["retry-after"]
+                waited = f"429 for {ADMISSION_WAIT_S:.0f} s: {r.text}"
+                assert asyncio.get_running_loop().time() < deadline, waited
                 self.rejected += 1
                 await asyncio.sleep(0.02)
                 continue

@@ -314,11 +314,14 @@ async def test_ppo_trains_a_critic_and_resumes_it_exactly(tiny_model: Path, tmp_
         a, b = critic.full_state_dict(), critic2.full_state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a)
 
-        # a fixed batch of fresh trajectories (the engine is idle at version 3 now)
+        # a fixed batch of fresh trajectories (the engine is idle at version 3 now), in a run of
+        # their own: the agents may have filled the first run's admission to its bound (the
+        # cancelled ones' sessions never end), which would hold every new group back
+        fixed_run = await h.run(config)
         for g in range(2):
-            sessions = await h.group(run_id, 4, f"fixed{g}")
+            sessions = await h.group(fixed_run, 4, f"fixed{g}")
             await asyncio.gather(*(h.episode(s) for s in sessions))
-        trajs = await h.store.claim(run_id, limit=batch, owner="t", lease_seconds=60)
+        trajs = await h.store.claim(fixed_run, limit=batch, owner="t", lease_seconds=60)
         assert len(trajs) == batch
         built = build_sequences(trajs, cfg.algorithm_config(), max_tokens=MAX_TOKENS)
         assert built.token_rewards is not None
