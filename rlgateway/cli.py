@@ -261,6 +261,28 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
 
 
+def _add_launch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    launch = sub.add_parser(
+        "launch",
+        help="run the whole topology (engines, N gateways, the trainer) on a Ray cluster",
+        description="Place the engine servers, the gateway replicas (one PostgreSQL) and the "
+        "trainer (torchrun ranks in a placement group) of the launch SPEC (YAML; see "
+        "rlgateway/launch/spec.py) on a Ray cluster, wire their URLs, restart what dies, and "
+        "stop everything when the trainer finishes or on Ctrl-C. Where everything runs is "
+        "written to WORK_DIR/launch.json. KEY=VALUE overrides set the spec "
+        "(gateways.replicas=3, trainer.config.max_steps=10).",
+    )
+    launch.add_argument("spec", metavar="SPEC", help="the launch spec (YAML)")
+    launch.add_argument(
+        "--ray",
+        required=True,
+        metavar="ADDRESS",
+        help="the Ray cluster: HOST:PORT of its head, `auto` (RAY_ADDRESS or the cluster this "
+        "machine belongs to), or `local` (start one on this machine for the launch's length)",
+    )
+    launch.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="spec overrides")
+
+
 def _add_export_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     export = sub.add_parser(
         "export-model",
@@ -335,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_demo_parser(sub)
     _add_run_parser(sub)
+    _add_launch_parser(sub)
     _add_export_model_parser(sub)
     _add_db_parser(sub)
     _add_doctor_parser(sub)
@@ -389,6 +412,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from rlgateway.commands.run import run_experiment
 
             return run_experiment(args)
+        if args.command == "launch":
+            from rlgateway.commands.launch import run_launch
+
+            return run_launch(args)
         if args.command == "export-model":
             from rlgateway.commands.export_model import run_export_model
 

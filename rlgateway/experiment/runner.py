@@ -28,6 +28,7 @@ from rlgateway.experiment.rollouts import Rollouts, Sampling
 from rlgateway.experiment.spec import ExperimentSpec, load_spec
 from rlgateway.experiment.workflow_registry import build_workflow
 from rlgateway.experiment.workflows import Workflow, render
+from rlgateway.models import resolve_model
 from trainer.config import TrainConfig, validate_config
 
 MONITOR_SECONDS = 0.5
@@ -329,24 +330,6 @@ class Experiment:
             "admission_waits": dep.client.admission_waits,
             "out": str(self.out),
         }
-
-
-def resolve_model(name: str, base_dir: Path) -> Path:
-    """`smollm2`, `tiny`, or a model directory (relative to the spec's folder)."""
-    if name == "smollm2":
-        from engines.smollm2 import smollm2_dir
-
-        return smollm2_dir()
-    if name == "tiny":
-        from engines.tiny_model import tiny_model_dir
-
-        return tiny_model_dir()
-    p = Path(name) if Path(name).is_absolute() else base_dir / name
-    if not (p / "config.json").is_file():
-        raise ValueError(
-            f"model: {name!r} is not smollm2, tiny, or a model directory (no {p / 'config.json'})"
-        )
-    return p
 
 
 def _train_line(row: dict[str, Any], episodes: int) -> str:

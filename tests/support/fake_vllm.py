@@ -632,7 +632,8 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
-    args = parser.parse_args()
+    # vLLM's other flags (as `engines.vllm_launch.vllm_command` gives them) change nothing here
+    args, _ = parser.parse_known_args()
     torch.set_num_threads(1)
     server = FakeVLLM(args.model, args.served_model_name, args.max_model_len)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
