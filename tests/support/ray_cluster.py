@@ -15,9 +15,13 @@ from pathlib import Path
 from tests.support.gateway_server import free_port
 
 RAY = str(Path(sys.executable).parent / "ray")
-NODES = {"head": {"trainer_slot": 1}, "a": {"replica_slot": 1}, "b": {"replica_slot": 1}}
-"""The custom resources of each node: the trainer's bundle fits the head only, one gateway
-replica fits each worker node."""
+NODES = {
+    "head": {"trainer_slot": 1},
+    "a": {"replica_slot": 1, "trainer_slot": 1},
+    "b": {"replica_slot": 1},
+}
+"""The custom resources of each node: one gateway replica fits each worker node, one trainer
+node's bundle fits the head and worker a (a trainer of two nodes spreads over both)."""
 
 
 def _ray(*args: str) -> None:

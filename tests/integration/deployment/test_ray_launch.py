@@ -1,9 +1,11 @@
 """`rlgateway launch SPEC --ray ADDRESS` on a Ray cluster of three nodes on this machine (a head
 and two workers, `tests/support/ray_cluster.py`), the real PostgreSQL, the tiny model on the
-gateways' local engines: the topology comes up where the spec's resources put it, a GRPO run
-trains and publishes to both replicas, a killed gateway actor and a killed trainer come back
-(the trainer from its checkpoint), and nothing is left running when the launch ends, whether
-the trainer finished or the launch was told to stop."""
+gateways' local engines or on vLLM's command line played by the faithful fake: the topology
+comes up where the spec's resources put it (the trainer's torchrun on two nodes), a GRPO run
+trains and publishes to both replicas, a killed gateway actor, a killed engine server and a
+killed trainer come back (the server re-synced, the trainer from its checkpoint), a relaunch
+trains the same run, and nothing is left running when the launch ends: the trainer finished,
+the launch was told to stop, or a part ran out of restarts."""
 
 from __future__ import annotations
 
@@ -70,11 +72,19 @@ def write_spec(tmp_path: Path, database_url: str, name: str, **sections: Any) ->
             },
         },
     }
-    for key, value in sections.items():
-        spec[key] = {**spec.get(key, {}), **value}
+    spec = merged(spec, sections)
     path = tmp_path / "launch.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
+
+
+def merged(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in more.items():
+        old = out.get(key)
+        both = isinstance(old, dict) and isinstance(value, dict)
+        out[key] = merged(old, value) if both else value
+    return out
 
 
 class Launch:
@@ -164,13 +174,16 @@ def gone(pids: list[int], timeout: float = 30) -> bool:
 def test_a_launched_topology_trains_comes_back_from_kills_and_leaves_nothing(
     cluster: str, database_url: str, tmp_path: Path
 ) -> None:
-    launch = Launch(write_spec(tmp_path, database_url, "trained"), cluster)
+    # the trainer: torchrun on two nodes of a placement group, one rank each, FSDP over both
+    two_nodes = {"nnodes": 2, "config": {"backend": "fsdp:d2"}}
+    spec = write_spec(tmp_path, database_url, "trained", trainer=two_nodes)
+    launch = Launch(spec, cluster)
     try:
         launch.wait(up, "the topology up")
         state = launch.state()
         nodes = [g["node_id"] for g in state["gateways"]]
         assert len(set(nodes)) == 2  # one replica per worker node (replica_slot)
-        assert state["trainer"][0]["node_id"] not in nodes  # the head's trainer_slot
+        assert len({t["node_id"] for t in state["trainer"]}) == 2  # spread (trainer_slot)
 
         drive(launch, 1)
         # a gateway replica's actor dies: it comes back at its address, on the newest policy
