@@ -118,6 +118,10 @@ def _actor_options(resources: Resources) -> dict[str, Any]:
         "resources": custom,
         "max_restarts": 0,  # the launcher restarts parts itself, where it can keep their address
         "max_concurrency": 1,
+        # A worker that exits cleanly (its owner, the launcher, died; `ray.kill`) SIGKILLs its
+        # direct children: the leader, which would leave its process group running. Without
+        # that, the leader outlives the worker by a moment and takes its group down.
+        "runtime_env": {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "false"}},
     }
 
 

@@ -249,6 +249,16 @@ def test_a_stopped_launch_leaves_nothing_and_launching_again_trains_the_same_run
     assert state["stopped"]
     assert gone([p["pid"] for p in state["gateways"] + state["trainer"]])
 
+    # the launcher itself SIGKILLed: Ray ends its actors, and with them everything they ran
+    last = Launch(spec, cluster)
+    try:
+        last.wait(lambda s: up(s) and s.get("stopped") is False, "the third launch up")
+    finally:
+        last.stop()
+    state = last.state()
+    assert not state["stopped"]
+    assert gone([p["pid"] for p in state["gateways"] + state["trainer"]], timeout=60)
+
 
 def test_a_replicas_engine_servers_are_launched_for_it_and_one_killed_is_resynced(
     cluster: str, database_url: str, tmp_path: Path
