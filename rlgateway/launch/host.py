@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engines.launch import free_port
+
 
 @dataclass(frozen=True, slots=True)
 class HostInfo:
@@ -57,13 +59,6 @@ def port_free(port: int) -> bool:
     return True
 
 
-def any_free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 class ProcessHost:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -80,7 +75,7 @@ class ProcessHost:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        return node_ip(), any_free_port()
+        return node_ip(), free_port("0.0.0.0")
 
     def start(
         self,
