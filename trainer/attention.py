@@ -46,11 +46,43 @@ def segment_bounds(position_ids_T: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends, strict=True))
 
 
-def _window_mask(n: int, window: int, device: torch.device) -> torch.Tensor:
-    """Causal sliding-window mask: query i sees keys j with i - window < j <= i."""
-    i = torch.arange(n, device=device)[:, None]
-    j = torch.arange(n, device=device)[None, :]
-    return (j <= i) & (j > i - window)
+def tree_segments(position_ids_T: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """The sequences of a packed row as (start, end, trunk, prefix): a sequence starts at index
+    0, wherever the position resets to 0, and wherever it neither resets nor follows its
+    predecessor: a prefix-shared branch (`trainer.prefix`) starting at position `prefix`, which
+    attends to the first `prefix` tokens of its trunk (the last sequence that started at 0, at
+    row index `trunk`) before itself. A sequence starting at 0 is its own trunk, prefix 0."""
+    n = int(position_ids_T.shape[0])
+    if n == 0:
+        return []
+    pos = position_ids_T.reshape(-1)
+    breaks = (pos[1:] != pos[:-1] + 1) | (pos[1:] == 0)
+    starts = [0, *(breaks.nonzero().flatten() + 1).tolist()]
+    ends = [*starts[1:], n]
+    heads = pos[starts].tolist()
+    out: list[tuple[int, int, int, int]] = []
+    trunk, trunk_len = 0, 0
+    for start, end, head in zip(starts, ends, heads, strict=True):
+        if head == 0 or start == 0:
+            trunk, trunk_len = start, end - start
+            out.append((start, end, start, 0))
+            continue
+        if head > trunk_len:
+            raise ValueError(
+                f"a branch at row index {start} starts at position {head}, past its trunk's "
+                f"{trunk_len} tokens"
+            )
+        out.append((start, end, trunk, head))
+    return out
+
+
+def _window_mask(n: int, window: int, device: torch.device, prefix: int = 0) -> torch.Tensor:
+    """Causal (sliding-window) mask of `n` queries at positions prefix..prefix+n-1 over keys at
+    positions 0..prefix+n-1: query i sees key j with i - window < j <= i in positions."""
+    i = torch.arange(prefix, prefix + n, device=device)[:, None]
+    j = torch.arange(prefix + n, device=device)[None, :]
+    mask = j <= i
+    return mask if window <= 0 else mask & (j > i - window)
 
 
 def varlen_attention_forward(
@@ -84,17 +116,22 @@ def varlen_attention_forward(
     gqa = query.shape[1] != key.shape[1]
     rows = []
     for row in range(b):
-        bounds = segment_bounds(position_ids[row])
-        lengths = [end - start for start, end in bounds]
+        segments = tree_segments(position_ids[row])
+        lengths = [end - start for start, end, _, _ in segments]
+        index = {start: k for k, (start, _, _, _) in enumerate(segments)}
         # split, not slicing: its backward is one concatenation, where each slice's backward
         # would write a full-size zero gradient (a cost of sequences x row length per layer)
         qs = torch.split(query[row : row + 1], lengths, dim=2)
         ks = torch.split(key[row : row + 1], lengths, dim=2)
         vs = torch.split(value[row : row + 1], lengths, dim=2)
         parts = []
-        for q, k, v, n in zip(qs, ks, vs, lengths, strict=True):
+        for q, k, v, n, (_, _, trunk, prefix) in zip(qs, ks, vs, lengths, segments, strict=True):
             mask = None
-            if sliding_window is not None and n > sliding_window:
+            if prefix:  # a branch: its trunk's first `prefix` tokens, then itself
+                k = torch.cat([ks[index[trunk]][:, :, :prefix], k], dim=2)
+                v = torch.cat([vs[index[trunk]][:, :, :prefix], v], dim=2)
+                mask = _window_mask(n, sliding_window or 0, query.device, prefix)
+            elif sliding_window is not None and n > sliding_window:
                 mask = _window_mask(n, sliding_window, query.device)
             parts.append(
                 F.scaled_dot_product_attention(

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from trainer.prefix import MIN_SHARED, Member, plan_trees, tree_tokens
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainSequence:
@@ -134,10 +136,17 @@ class MicroBatch:
     """Length of each packed sequence, in row order."""
     seq_ids: tuple[int, ...]
     """Index of each packed sequence in the list given to `pack`."""
+    seq_shared: tuple[int, ...] = ()
+    """Prefix sharing (`trainer.prefix`): leading tokens of each packed sequence read from its
+    trunk's positions, 0 for a sequence run whole; empty: none shared."""
+    seq_trunk: tuple[int, ...] = ()
+    """Prefix sharing: the index (into `seq_lens`) of each sequence's trunk, itself when it
+    shares nothing; empty: none shared."""
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.seq_lens)
+        """Row positions: every sequence's tokens less those it reads from its trunk."""
+        return sum(self.seq_lens) - sum(self.seq_shared)
 
     @property
     def num_loss_tokens(self) -> int:
@@ -186,6 +195,24 @@ def data_shards(lengths: Sequence[int], data_size: int) -> list[list[int]]:
     return [order[r::data_size] for r in range(data_size)]
 
 
+def tree_shards(
+    seqs: Sequence[TrainSequence], data_size: int, token_budget: int
+) -> list[list[int]]:
+    """`data_shards` for prefix-shared packing: whole trees (`trainer.prefix.plan_trees` under
+    `token_budget`) go to a rank, largest first, each to the rank with the fewest row positions
+    so far (ties to the lowest rank), so the sequences that share a prefix stay together. Each
+    shard is in ascending index order; a function of its arguments alone, as `data_shards`."""
+    trees = plan_trees(seqs, token_budget)
+    sizes = [tree_tokens(seqs, t) for t in trees]
+    shards: list[list[int]] = [[] for _ in range(data_size)]
+    load = [0] * data_size
+    for t in sorted(range(len(trees)), key=lambda t: (-sizes[t], t)):
+        r = min(range(data_size), key=lambda r: (load[r], r))
+        shards[r] += [m.seq for m in trees[t]]
+        load[r] += sizes[t]
+    return [sorted(shard) for shard in shards]
+
+
 def split_minibatches(lengths: Sequence[int], n: int, *, seed: str) -> list[list[int]]:
     """One epoch's PPO mini-batches of a batch of sequences of these `lengths`: min(n, len)
     groups of indices, balanced by tokens, each in ascending index order. The sequences go in a
@@ -208,12 +235,36 @@ def split_minibatches(lengths: Sequence[int], n: int, *, seed: str) -> list[list
     return [sorted(g) for g in groups]
 
 
-def pack(seqs: Sequence[TrainSequence], token_budget: int) -> list[MicroBatch]:
-    """Packs `seqs` into micro-batches of at most `token_budget` tokens (a longer sequence is
-    alone in its own), following `plan_micro_batches`."""
-    return [
-        _pack_row(seqs, ids) for ids in plan_micro_batches([len(s) for s in seqs], token_budget)
-    ]
+def plan_rows(
+    seqs: Sequence[TrainSequence],
+    token_budget: int,
+    *,
+    prefix_sharing: bool = False,
+    min_shared: int = MIN_SHARED,
+) -> list[list[Member]]:
+    """The micro-batches `pack` makes: each a row's sequences, as tree members
+    (`trainer.prefix`), trunks before their branches. Flat (`prefix_sharing` off): every
+    sequence whole, by `plan_micro_batches`; shared: `plan_trees` under the budget, its trees
+    put into rows by the same first-fit-decreasing on their positions."""
+    if not prefix_sharing:
+        bins = plan_micro_batches([len(s) for s in seqs], token_budget)
+        return [[Member(i, 0) for i in ids] for ids in bins]
+    trees = plan_trees(seqs, token_budget, min_shared=min_shared)
+    bins = plan_micro_batches([tree_tokens(seqs, t) for t in trees], token_budget)
+    return [[m for t in ids for m in trees[t]] for ids in bins]
+
+
+def pack(
+    seqs: Sequence[TrainSequence],
+    token_budget: int,
+    *,
+    prefix_sharing: bool = False,
+    min_shared: int = MIN_SHARED,
+) -> list[MicroBatch]:
+    """Packs `seqs` into micro-batches of at most `token_budget` row positions (a longer
+    sequence is alone in its own), following `plan_rows`."""
+    plan = plan_rows(seqs, token_budget, prefix_sharing=prefix_sharing, min_shared=min_shared)
+    return [_pack_row(seqs, members) for members in plan]
 
 
 def _shifted(values: Sequence[float] | Sequence[int], fill: float | int) -> list[float | int]:
@@ -221,7 +272,9 @@ def _shifted(values: Sequence[float] | Sequence[int], fill: float | int) -> list
     return [*values[1:], fill]
 
 
-def _pack_row(seqs: Sequence[TrainSequence], ids: Sequence[int]) -> MicroBatch:
+def _pack_row(seqs: Sequence[TrainSequence], members: Sequence[Member]) -> MicroBatch:
+    ids = [m.seq for m in members]
+    cut = [m.shared for m in members]  # each sequence's row part starts at its token `shared`
     chosen = [seqs[i] for i in ids]
     cols: dict[str, list[float | int]] = {
         k: [] for k in ("input", "pos", "seq", "tgt", "mask", "behav", "adv", "ver")
@@ -232,21 +285,28 @@ def _pack_row(seqs: Sequence[TrainSequence], ids: Sequence[int]) -> MicroBatch:
     }
     shifted: dict[str, list[float | int] | None] = {
         name: (
-            [x for v in per_seq for x in _shifted(v, 1.0 if name == "temperatures" else 0.0)]
+            [
+                x
+                for v, c in zip(per_seq, cut, strict=True)
+                for x in _shifted(v, 1.0 if name == "temperatures" else 0.0)[c:]
+            ]
             if all(v is not None for v in per_seq)
             else None
         )
         for name, per_seq in optional.items()
     }
-    for j, s in enumerate(chosen):
-        cols["input"] += s.tokens
-        cols["pos"] += range(len(s))
-        cols["seq"] += [j] * len(s)
-        cols["tgt"] += _shifted(s.tokens, 0)
-        cols["mask"] += _shifted(s.loss_mask, 0)
-        cols["behav"] += _shifted(s.behav_logprobs, 0.0)
-        cols["adv"] += _shifted(s.advantages, 0.0)
-        cols["ver"] += _shifted(s.versions, -1)
+    trunk: list[int] = []  # a tree's members are consecutive, its trunk first
+    for j, (s, c) in enumerate(zip(chosen, cut, strict=True)):
+        trunk.append(j if c == 0 else trunk[-1])
+        cols["input"] += s.tokens[c:]
+        cols["pos"] += range(c, len(s))
+        cols["seq"] += [j] * (len(s) - c)
+        cols["tgt"] += _shifted(s.tokens, 0)[c:]
+        cols["mask"] += _shifted(s.loss_mask, 0)[c:]
+        cols["behav"] += _shifted(s.behav_logprobs, 0.0)[c:]
+        cols["adv"] += _shifted(s.advantages, 0.0)[c:]
+        cols["ver"] += _shifted(s.versions, -1)[c:]
+    shared = any(cut)
 
     def row(values: list[float | int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).unsqueeze(0)
@@ -271,6 +331,8 @@ def _pack_row(seqs: Sequence[TrainSequence], ids: Sequence[int]) -> MicroBatch:
         temperature_1T=maybe_row("temperatures"),
         seq_lens=tuple(len(s) for s in chosen),
         seq_ids=tuple(ids),
+        seq_shared=tuple(cut) if shared else (),
+        seq_trunk=tuple(trunk) if shared else (),
     )
 
 
@@ -278,11 +340,17 @@ def unpack_token_values(values_1T: torch.Tensor, mb: MicroBatch) -> list[list[fl
     """Splits a row of shifted values (e.g. `token_logprobs` output) into per-sequence lists in
     token order: entry t is the value for token t, and entry 0 (no predicting position) is 0."""
     flat = values_1T.reshape(-1).tolist()
+    shared = mb.seq_shared or (0,) * len(mb.seq_lens)
+    trunk = mb.seq_trunk or tuple(range(len(mb.seq_lens)))
+    starts: list[int] = []
     out: list[list[float]] = []
     start = 0
-    for n in mb.seq_lens:
-        out.append([0.0, *flat[start : start + n - 1]])
-        start += n
+    for j, (n, c) in enumerate(zip(mb.seq_lens, shared, strict=True)):
+        starts.append(start)
+        # tokens 1..c are predicted at the trunk's positions 0..c-1, the rest at its own
+        head = flat[starts[trunk[j]] : starts[trunk[j]] + c]
+        out.append([0.0, *head, *flat[start : start + n - c - 1]])
+        start += n - c
     return out
 
 

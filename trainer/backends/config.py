@@ -13,7 +13,7 @@ rest when the config loads, never ignoring a size it cannot honour.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
@@ -67,6 +67,25 @@ def check_context_attention(allocation: Allocation, attention: str) -> None:
         )
 
 
+def check_prefix_sharing(allocation: Allocation, attention: str, prefix_sharing: bool) -> None:
+    """ValueError where prefix sharing is asked for but the attention kernel or the context
+    split cannot attend a branch to its trunk: only the varlen kernel reads the tree from the
+    positions, and a context rank's slice of a row may hold a branch without its trunk."""
+    if not prefix_sharing:
+        return
+    if attention != "varlen":
+        raise ValueError(
+            f"prefix_sharing needs the varlen attention, which reads the trees from the "
+            f"positions; {attention!r} would attend across them: set attention to varlen"
+        )
+    if allocation.strategy.context > 1:
+        raise ValueError(
+            f"prefix_sharing is not implemented under context parallelism "
+            f"(c{allocation.strategy.context}): a slice of a row may hold a branch but not its "
+            "trunk"
+        )
+
+
 class OptimizerSettings(BaseModel):
     """The optimizer, learning-rate schedule and precision settings, declared once: a run
     config's `optim` (`trainer.config.OptimConfig`) and every backend's config inherit them, and
@@ -111,9 +130,22 @@ class _BackendSpec(BaseModel):
     `fsdp:d2c2` or `archon:d4e2` validates into one; it is written back as that string); the
     default is the backend's data parallel over every rank."""
 
+    prefix_sharing_refused: ClassVar[str] = ""
+    """Why this backend cannot pack prefix-shared trees (`FSDPSpec.prefix_sharing`); empty where
+    it can."""
+
     @field_serializer("allocation")
     def _allocation_text(self, allocation: Allocation) -> str:
         return str(allocation)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_prefix_sharing(cls, data: Any) -> Any:
+        if cls.prefix_sharing_refused and isinstance(data, dict) and "prefix_sharing" in data:
+            if data["prefix_sharing"]:
+                raise ValueError(f"prefix_sharing: {cls.prefix_sharing_refused}")
+            data = {k: v for k, v in data.items() if k != "prefix_sharing"}
+        return data
 
     @model_validator(mode="after")
     def _check_allocation(self) -> _BackendSpec:
@@ -152,6 +184,16 @@ class FSDPSpec(_HFBackendSpec):
 
     type: Literal["fsdp"] = "fsdp"
     """Backend kind."""
+    prefix_sharing: bool = False
+    """Pack sequences that begin alike (a GRPO group's prompt, an episode's shared history) as
+    trees: their common tokens once per row, each answer attending to them (`trainer.prefix`);
+    every logprob, entropy and loss term is the flat packing's. Needs the varlen attention and
+    one context rank."""
+
+    @model_validator(mode="after")
+    def _check_prefix_sharing(self) -> FSDPSpec:
+        check_prefix_sharing(self.allocation, self.attention, self.prefix_sharing)
+        return self
 
 
 class ArchonSpec(_HFBackendSpec):
@@ -160,6 +202,10 @@ class ArchonSpec(_HFBackendSpec):
 
     type: Literal["archon"] = "archon"
     """Backend kind."""
+    prefix_sharing_refused: ClassVar[str] = (
+        "the archon backend cannot pack prefix-shared trees: its router's balance loss counts "
+        "each sequence's tokens, the shared ones included; use fsdp"
+    )
     allocation: Allocation = Allocation(backend="archon")
     """As for every backend; a bare `archon` is data parallel with every expert on every rank,
     `archon:e2` splits the experts over groups of 2 data ranks."""
@@ -176,6 +222,10 @@ class MegatronSpec(_BackendSpec):
 
     type: Literal["megatron"] = "megatron"
     """Backend kind."""
+    prefix_sharing_refused: ClassVar[str] = (
+        "the megatron backend cannot pack prefix-shared trees: megatron-core's attention runs "
+        "over a block-diagonal mask of whole sequences; use fsdp"
+    )
     allocation: Allocation = Allocation(backend="megatron")
     """As for every backend: `megatron:t2` splits each layer over 2 tensor ranks, `megatron:p2`
     the layers over 2 pipeline stages, `megatron:d2t2p2` both, twice over (8 ranks)."""

@@ -75,6 +75,7 @@ from trainer.backends.config import (
     OPTIMIZER_DEFAULTS,
     check_context_attention,
     check_implemented,
+    check_prefix_sharing,
 )
 from trainer.backends.update import (
     LRSchedule,
@@ -92,9 +93,10 @@ from trainer.batch import (
     TrainSequence,
     data_shards,
     pack,
-    plan_micro_batches,
+    plan_rows,
     token_entropy,
     token_logprobs,
+    tree_shards,
     unpack_token_values,
 )
 from trainer.parallel.context import ContextGroup, RowSlice, gather_row, slice_row
@@ -196,6 +198,7 @@ class FSDPBackend:
         gradient_checkpointing: bool = OPTIMIZER_DEFAULTS.gradient_checkpointing,
         seed: int = OPTIMIZER_DEFAULTS.seed,
         attention: Attention = "varlen",
+        prefix_sharing: bool = False,
         allocation: Allocation = DATA_PARALLEL,
     ) -> None:
         from transformers import AutoConfig
@@ -211,6 +214,9 @@ class FSDPBackend:
         check_implemented(allocation)
         check_model_fits(allocation.strategy, AutoConfig.from_pretrained(str(model_dir)))
         check_context_attention(allocation, attention)
+        check_prefix_sharing(allocation, attention, prefix_sharing)
+        self.prefix_sharing = prefix_sharing
+        """Pack prefix-shared trees (`trainer.prefix`) instead of whole sequences."""
 
         device_type = "cuda" if cuda else "cpu"
         if cuda:
@@ -337,15 +343,25 @@ class FSDPBackend:
 
     # -- data parallelism ------------------------------------------------------------------------
 
-    def _shards(self, seqs: Sequence[TrainSequence]) -> list[list[int]]:
-        """Indices into `seqs` that each data rank trains on (its tensor ranks all do)."""
+    def _shards(self, seqs: Sequence[TrainSequence], token_budget: int) -> list[list[int]]:
+        """Indices into `seqs` that each data rank trains on (its tensor ranks all do); with
+        prefix sharing whole trees go to a rank, so the sequences that share stay together."""
+        if self.prefix_sharing and self.dp_size > 1:
+            return tree_shards(seqs, self.dp_size, token_budget)
         return data_shards([len(s) for s in seqs], self.dp_size)
+
+    def _pack(self, seqs: Sequence[TrainSequence], token_budget: int) -> list[MicroBatch]:
+        return pack(seqs, token_budget, prefix_sharing=self.prefix_sharing)
 
     def _micro_batch_count(self, seqs: Sequence[TrainSequence], token_budget: int) -> int:
         """Micro-batches of the busiest rank: the number of passes every rank runs."""
         return max(
-            len(plan_micro_batches([len(seqs[i]) for i in shard], token_budget))
-            for shard in self._shards(seqs)
+            len(
+                plan_rows(
+                    [seqs[i] for i in shard], token_budget, prefix_sharing=self.prefix_sharing
+                )
+            )
+            for shard in self._shards(seqs, token_budget)
         )
 
     def _forward(
@@ -423,8 +439,8 @@ class FSDPBackend:
         self, seqs: Sequence[TrainSequence], temperature: float, token_budget: int
     ) -> list[list[float]]:
         """`_per_position` of every sequence without grad, unpacked per token, on every rank."""
-        ids = self._shards(seqs)[self.dp_rank]
-        micro = pack([seqs[i] for i in ids], token_budget)
+        ids = self._shards(seqs, token_budget)[self.dp_rank]
+        micro = self._pack([seqs[i] for i in ids], token_budget)
         results: dict[int, list[float]] = {}
         self.model.eval()
         with torch.no_grad():
@@ -452,8 +468,8 @@ class FSDPBackend:
         step_schedule: bool = True,
     ) -> dict[str, float]:
         check_step(seqs, global_norm)
-        mine = [seqs[i] for i in self._shards(seqs)[self.dp_rank]]
-        micro = pack(mine, token_budget)
+        mine = [seqs[i] for i in self._shards(seqs, token_budget)[self.dp_rank]]
+        micro = self._pack(mine, token_budget)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         records: list[StepRecord] = []
