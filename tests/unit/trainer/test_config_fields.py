@@ -146,9 +146,10 @@ def test_the_check_can_fail() -> None:
 
 
 def test_each_backend_setting_is_declared_once_in_its_spec() -> None:
-    """A backend's own settings (`attention`, `aux_loss_coef`) live in its spec, the run config's
-    `backend` section, and nowhere else: not in `optim`, not at the top level; the constructor
-    settings a backend is built from are its spec's and the optimizer's declarations, unchanged."""
+    """A backend's own settings (`attention`, `aux_loss_coef`, `prefix_sharing`) live in its spec,
+    the run config's `backend` section, and nowhere else: not in `optim`, not at the top level;
+    the constructor settings a backend is built from are its spec's and the optimizer's
+    declarations, unchanged."""
     from trainer.backends.config import (
         RUNTIME_CONFIGS,
         ArchonSpec,
@@ -159,7 +160,7 @@ def test_each_backend_setting_is_declared_once_in_its_spec() -> None:
 
     specs = {"fsdp": FSDPSpec, "archon": ArchonSpec, "megatron": MegatronSpec}
     own = {name for spec in specs.values() for name in spec.model_fields} - {"type", "allocation"}
-    assert own == {"attention", "aux_loss_coef"}
+    assert own == {"attention", "aux_loss_coef", "prefix_sharing"}
     assert not own & (set(OptimizerSettings.model_fields) | set(TrainConfig.model_fields))
     for kind, spec in specs.items():
         runtime = RUNTIME_CONFIGS[kind]
