@@ -5,13 +5,13 @@
         [--token-budget 2048]
 
 Two FSDP backends on the same model (`backend.prefix_sharing` off and on) take one optimizer step
-each per round on the same batch (GRPO's decoupled loss, random tokens: the cost does not depend
-on them), after one warmup step each; the table gives the median seconds per step and the
-batch's tokens (every sequence whole, as flat packing trains them) per second, and the row
-positions each packing runs. Shapes: `grpo`, groups of `--group-size` answers of `--answer`
-tokens to one `--prompt`-token prompt each; `multiturn`, episodes as the multi-turn example's
-(a prompt, then 1 to 3 answers of up to 48 tokens, each wrong one followed by 24 tokens of
-feedback), where only the first prompt is common to a group.
+each per round on the same batch (GRPO's decoupled loss, random tokens: the cost does not depend on
+them), after one warmup step each, taking turns to go first; the table gives the median seconds per
+step and the batch's tokens (every sequence whole, as flat packing trains them) per second, and the
+row positions each packing runs. Shapes: `grpo`, groups of `--group-size` answers of `--answer`
+tokens to one `--prompt`-token prompt each; `multiturn`, episodes as the multi-turn example's (a
+prompt, then 1 to 3 answers of up to 48 tokens, each wrong one followed by 24 tokens of feedback),
+where only the first prompt is common to a group.
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def bench(model_dir: Path, seqs: list[Any], budget: int, rounds: int) -> dict[st
     }
     times: dict[bool, list[float]] = {False: [], True: []}
     for r in range(rounds + 1):
-        for sharing, backend in backends.items():
+        order = [False, True] if r % 2 else [True, False]  # neither always runs first
+        for sharing in order:
+            backend = backends[sharing]
             start = time.perf_counter()
             backend.train_step(
                 seqs, loss_fn, temperature=1.0, token_budget=budget, global_norm=norm

@@ -1,7 +1,7 @@
 """Trainer throughput and hot-swap cost, side by side in one run.
 
-    .venv/bin/python bench/bench_trainer.py [--model-size test|demo] [--seqs 64] [--steps 5]
-        [--token-budget B]
+    .venv/bin/python bench/bench_trainer.py [--model tiny|demo|smollm2|DIR] [--seqs 64]
+        [--steps 5] [--token-budget B] [--no-swap]
 
 1. Training tokens/s of the FSDP backend (packed micro-batches, no padding; per-sequence varlen
    attention and, for comparison, SDPA with a block-diagonal mask over the row) against a plain
@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import resource
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -159,18 +161,26 @@ async def swap_times(model_dir: str, repeats: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-size", default="test", choices=["test", "demo"])
+    ap.add_argument(
+        "--model", default="tiny", help="tiny (the test model), demo, smollm2 or a directory"
+    )
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--token-budget", type=int, default=1024)
+    ap.add_argument("--no-swap", action="store_true", help="skip the hot-swap table")
     args = ap.parse_args()
 
     from transformers import AutoConfig
 
-    from engines.tiny_model import TINY_SIZES, tiny_model_dir
+    from engines.tiny_model import tiny_model_dir
+    from rlgateway.models import resolve_model
 
-    model_dir = str(tiny_model_dir(size=args.model_size))
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    if args.model == "demo":
+        model_dir = str(tiny_model_dir(size="demo"))
+    else:
+        model_dir = str(resolve_model(args.model, Path.cwd()))
+    config = AutoConfig.from_pretrained(model_dir)
+    vocab = config.vocab_size
     seqs = make_sequences(args.seqs, vocab, seed=0)
     tokens = sum(len(s) for s in seqs)
     plain, waste = plain_stepper(model_dir, seqs, batch=8)
@@ -183,8 +193,7 @@ def main() -> None:
         },
         args.steps,
     )
-    swap = asyncio.run(swap_times(model_dir, repeats=3))
-    size = TINY_SIZES[args.model_size]
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     med = {name: statistics.median(t) for name, t in times.items()}
     # per round, plain / backend: robust to load that changes from round to round
     ratio = {
@@ -192,10 +201,10 @@ def main() -> None:
         for name in ("varlen", "sdpa")
     }
     print(
-        f"\nmodel tiny-{args.model_size} (hidden {size.hidden_size}, "
-        f"{size.num_hidden_layers} layers), {args.seqs} sequences, {tokens} tokens per step, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of "
-        f"{args.steps} interleaved rounds\n"
+        f"\nmodel {args.model} (hidden {config.hidden_size}, {config.num_hidden_layers} layers), "
+        f"{args.seqs} sequences, {tokens} tokens per step, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, median of {args.steps} interleaved rounds; the "
+        f"process's peak resident memory (three models and their optimizers): {peak_gb:.1f} GB\n"
     )
     print("| trainer | s/step | tokens/s | vs plain | padding waste |")
     print("|---|---:|---:|---:|---:|")
@@ -208,6 +217,9 @@ def main() -> None:
         f"| plain torch loop, padded batches of 8 | {med['plain']:.2f} | "
         f"{tokens / med['plain']:.0f} | 1.00x | {100 * waste:.0f}% |\n"
     )
+    if args.no_swap:
+        return
+    swap = asyncio.run(swap_times(model_dir, repeats=3))
     print("| hot-swap | ms |")
     print("|---|---:|")
     print(f"| copy the state dict (clone) | {1000 * swap['copy']:.1f} |")

@@ -18,6 +18,12 @@ decoder layers must pass `position_ids` on to the attention function (transforme
 models, Qwen2 among them, do); otherwise it raises rather than attend across sequences. Under
 context parallelism `trainer.parallel.ulysses` calls this kernel on the whole row, for a share of
 the heads.
+
+Prefix-shared rows (`trainer.prefix`): a sequence may also start where the position neither resets
+nor follows its predecessor, at position p > 0: a branch, whose queries attend to the first p
+keys of its trunk (the last sequence that started at 0) and then to its own, causally
+(`tree_segments`; an explicit [own, p + own] mask, lower-right causal). That is exactly what the
+branch's whole sequence would attend to alone, so its outputs are the flat ones.
 """
 
 from __future__ import annotations

@@ -22,6 +22,13 @@ next token. The last position of each sequence predicts nothing: target 0, mask 
 (versions -1). Hence `token_logprobs(logits_1TV, targets_1T)` at i is the logprob of token i + 1,
 and `unpack_token_values` turns a row of such values back into per-token lists (0 at token 0).
 A sequence's first token has no logprob, so `TrainSequence` requires `loss_mask[0] == 0`.
+
+**Prefix sharing.** `pack(..., prefix_sharing=True)` packs trees (`trainer.prefix`): a sequence
+that shares its first tokens with an earlier one in the row (its trunk) starts at its first own
+token, at that token's true position, and its tokens before are scored at the trunk's positions
+(`MicroBatch.seq_shared`, `seq_trunk`; `unpack_token_values` reads them from there). Every
+position still predicts exactly one sequence's next token, so the shifted alignment above and
+every loss over positions hold unchanged.
 """
 
 # Shape-suffixed field names (`input_ids_1T`) are our convention, as pyproject's N803/N806 say.

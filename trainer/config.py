@@ -160,7 +160,8 @@ class TrainConfig(RunConfig, ProcessSettings):
     experts split over groups of 2 data ranks (expert parallel); `megatron` trains on
     megatron-core (`pip install -e '.[megatron]'`, CUDA GPUs), tensor and pipeline parallel:
     `megatron:t2p2` on 4 ranks, `megatron:d1t2p2` exactly so. The fsdp and archon backends take
-    `attention` (the kernel inside packed rows), archon `aux_loss_coef` (the router's balance
+    `attention` (the kernel inside packed rows), fsdp `prefix_sharing` (a group's common prompt
+    once per packed row, `trainer.prefix`), archon `aux_loss_coef` (the router's balance
     loss)."""
     algorithm: str = "grpo"
     """A preset: ppo, grpo, dapo, rloo, gspo, dr_grpo, reinforce_pp."""

@@ -234,3 +234,6 @@ def test_what_cannot_pack_trees_refuses_the_option() -> None:
         with pytest.raises(ValidationError, match=reason):
             backend(section)
     assert FSDPSpec().prefix_sharing is False
+    # the run config's setting reaches the backend's constructor
+    config = TrainConfig.model_validate({"backend": {"prefix_sharing": True}})
+    assert config.backend_config("m").prefix_sharing is True
