@@ -48,6 +48,10 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz     "  # about one space in six, like word
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model-size", default="test", help="tiny model size: test or demo")
+    p.add_argument("--model", help="smollm2 or a model directory instead of a tiny model")
+    p.add_argument(
+        "--skip-hf-seq", action="store_true", help="leave out the one-at-a-time HF baseline"
+    )
     p.add_argument("--seed", type=int, default=0, help="tiny model weights seed")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
@@ -207,8 +211,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from engines.local import LocalEngine, LocalEngineConfig
     from engines.tiny_model import load_tokenizer, tiny_model_dir
+    from rlgateway.models import resolve_model
 
-    model_dir = tiny_model_dir(size=args.model_size, seed=args.seed)
+    if args.model:
+        model_dir = resolve_model(args.model, Path.cwd())
+    else:
+        model_dir = tiny_model_dir(size=args.model_size, seed=args.seed)
     tokenizer = load_tokenizer(model_dir)
     pad_id = int(tokenizer.pad_token_id)
     top = max(args.concurrency)
@@ -228,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
             "hf_seq": lambda ps: hf_sequential(hf, ps, n, pad_id),
             "hf_batch": lambda ps: hf_generate(hf, ps, n, pad_id),
         }
+        if args.skip_hf_seq:
+            del methods["hf_seq"]
         if url is not None:
             client = httpx.AsyncClient(
                 base_url=url,
@@ -279,8 +289,10 @@ def print_report(
     for r in rows:
         st = args.stat
         cells = [f"{r.concurrency}"]
-        cells += [f"{r.rate(m, st):,.0f}" for m in ("engine", "hf_seq", "hf_batch")]
-        cells += [f"{r.ratio('engine', 'hf_seq', st):.1f}x"]
+        seq = "hf_seq" in r.runs
+        cells += [f"{r.rate(m, st):,.0f}" if m in r.runs else "-" for m in ("engine", "hf_seq")]
+        cells += [f"{r.rate('hf_batch', st):,.0f}"]
+        cells += [f"{r.ratio('engine', 'hf_seq', st):.1f}x" if seq else "-"]
         cells += [f"{r.ratio('engine', 'hf_batch', st):.2f}x", f"{r.mean_decode_batch:.1f}"]
         if with_vllm:
             cells += [f"{r.rate('vllm', st):,.0f}", f"{r.ratio('engine', 'vllm', st):.2f}x"]
@@ -290,7 +302,7 @@ def print_report(
     print(
         f"tok/s: {args.stat} of {args.repeats} runs; ratios: "
         f"{'median of the per-run ratios' if args.stat == 'median' else 'best over best'}; "
-        f"model tiny-{args.model_size} (float32), "
+        f"model {args.model or 'tiny-' + args.model_size} (float32), "
         f"{args.max_tokens} new tokens per request, prompts 20-60 tokens, temperature 1."
     )
     print(

@@ -8,7 +8,9 @@ gathered bucket by bucket as the trainer publishes them) go to
 - **disk**: `DiskPublisher` to a real `rlgateway serve` on the local engine (its own process):
   the safetensors files written (`save_shards`, also timed alone), then `POST /admin/weights`,
   which answers once the engine serves the new version. The raw cost beside it: the same bytes
-  written to one file and read back into tensors (the page cache, as the publish uses it);
+  written to a new file and read back into tensors. The three take turns, each keeping its
+  newest two versions as the publisher does, so the kernel's writeback of the earlier ones
+  (the files outlive a publish) weighs on all alike; the first turn warms up;
 - **collective**: `CollectivePublisher` to a real gateway on an SGLang server
   (`tests/support/fake_sglang.py`, which joins the weight group and receives every tensor into
   its model as SGLang does; gloo on CPU), the first publish forming the group. The raw cost
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import datetime
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -47,22 +50,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def raw_disk(state: dict[str, torch.Tensor], directory: Path) -> float:
-    """Seconds to write every tensor's bytes into one file and read them back into tensors."""
-    path = directory / "raw.bin"
+def raw_disk(state: dict[str, torch.Tensor], path: Path) -> float:
+    """Seconds to write every tensor's bytes into the new file `path` and read them back into
+    new tensors."""
     start = time.perf_counter()
     with path.open("wb") as f:
         for t in state.values():
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
     out = {}
     with path.open("rb") as f:
         for name, t in state.items():
             buf = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
             f.readinto(memoryview(buf.numpy()))
             out[name] = buf.view(t.dtype).reshape(t.shape)
-    elapsed = time.perf_counter() - start
-    path.unlink()
-    return elapsed
+    return time.perf_counter() - start
+
+
+def keep_newest(directory: Path, keep: int) -> None:
+    """Deletes all but the newest `keep` of `directory`'s `v{N}` entries (as the publisher)."""
+    for old in sorted(directory.glob("v*"), key=lambda p: int(p.name[1:]))[:-keep]:
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
 
 
 def _raw_receiver(port: int, sizes: list[int], repeats: int) -> None:
@@ -105,11 +115,15 @@ def raw_broadcast(state: dict[str, torch.Tensor], repeats: int) -> list[float]:
 async def timed_publishes(publisher: Any, weights: Any, first: int, repeats: int) -> list[float]:
     times = []
     for v in range(first, first + repeats):
-        start = time.perf_counter()
-        served = await publisher.publish(weights, v)
-        times.append(time.perf_counter() - start)
-        assert served == v, (served, v)
+        times.append(await timed_publish(publisher, weights, v))
     return times
+
+
+async def timed_publish(publisher: Any, weights: Any, version: int) -> float:
+    start = time.perf_counter()
+    served = await publisher.publish(weights, version)
+    assert served == version, (served, version)
+    return time.perf_counter() - start
 
 
 def bench_model(name: str, repeats: int, bucket_bytes: int) -> dict[str, Any]:
@@ -130,18 +144,28 @@ def bench_model(name: str, repeats: int, bucket_bytes: int) -> dict[str, Any]:
     out: dict[str, Any] = {"model": name, "bytes": size}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        out["raw_disk"] = [raw_disk(state, tmp) for _ in range(repeats)]
-        writes = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            save_shards(weights.buckets(bucket_bytes), tmp / "write-only", model_dir)
-            writes.append(time.perf_counter() - start)
-        out["write"] = writes
+        for sub in ("raw", "written", "disk-gw"):
+            (tmp / sub).mkdir()
+        out["raw_disk"], out["write"], out["disk"] = [], [], []
         with run_gateway(model_dir, tmp / "disk-gw", timeout=300) as gw:
             admin = GatewayAdmin(gw.url, gw.admin_token)
             disk = DiskPublisher(tmp / "published", model_dir, admin, bucket_bytes=bucket_bytes)
-            out["disk"] = asyncio.run(timed_publishes(disk, weights, 1, repeats))
+            # interleaved, each keeping its newest two versions as the publisher does, so that
+            # the kernel's writeback of earlier versions weighs on all three alike
+            for v in range(1, repeats + 2):
+                raw = raw_disk(state, tmp / "raw" / f"v{v}")
+                keep_newest(tmp / "raw", 2)
+                start = time.perf_counter()
+                save_shards(weights.buckets(bucket_bytes), tmp / "written" / f"v{v}", model_dir)
+                write = time.perf_counter() - start
+                keep_newest(tmp / "written", 2)
+                publish = asyncio.run(timed_publish(disk, weights, v))
+                if v > 1:  # the first of each warms up
+                    out["raw_disk"].append(raw)
+                    out["write"].append(write)
+                    out["disk"].append(publish)
         out["raw_broadcast"] = raw_broadcast(state, repeats)
+        (tmp / "group-gw").mkdir()
         with run_fake_sglang(model_dir, startup_s=300) as server:
             args = ["--engine", "sglang", "--engine-url", server.url]
             with run_gateway(model_dir, tmp / "group-gw", extra_args=args, timeout=300) as gw:

@@ -63,14 +63,20 @@ def checked_weights(
                 f"{name} has dtype {tensor.dtype}, which does not cast to the model's "
                 f"{target.dtype}"
             )
-        if target.is_floating_point():
-            with torch.no_grad():
-                finite = bool(torch.isfinite(tensor.to(target.dtype)).all())
-            if not finite:
-                raise WeightUpdateError(
-                    f"{name} has non-finite values (NaN or inf) in {target.dtype}"
-                )
+        if target.is_floating_point() and not all_finite(tensor.to(target.dtype)):
+            raise WeightUpdateError(f"{name} has non-finite values (NaN or inf) in {target.dtype}")
     return version, state
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of a floating-point tensor is finite: its minimum and maximum are
+    (`aminmax` propagates a NaN and finds an inf) in one pass without a temporary, about 30x
+    faster than `isfinite(t).all()` on a model's weights (`bench/bench_publish.py`)."""
+    if tensor.numel() == 0:
+        return True
+    with torch.no_grad():
+        lo, hi = torch.aminmax(tensor)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def read_dir(path: Path | None) -> Mapping[str, torch.Tensor]:
