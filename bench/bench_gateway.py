@@ -286,6 +286,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--database-url", help="store for the gateway (default: a temp SQLite file)")
     ap.add_argument("--model-size", default="test", choices=["test", "demo"])
+    ap.add_argument("--model", help="smollm2 or a model directory instead of a tiny model")
     ap.add_argument(
         "--gateway",
         action="append",
@@ -321,7 +322,12 @@ def main() -> None:
     ]
     if args.baseline:
         variants.insert(0, (f"baseline {args.baseline}", "", args.baseline))
-    model_dir = tiny_model_dir(size=args.model_size)
+    if args.model:
+        from rlgateway.models import resolve_model
+
+        model_dir = resolve_model(args.model, Path.cwd())
+    else:
+        model_dir = tiny_model_dir(size=args.model_size)
     runs: dict[str, list[dict[str, Any]]] = {"engine in-process": []}
     for name, _, checkout in variants:
         runs[f"gateway, {name}" if args.gateway or checkout else name] = []
@@ -355,7 +361,7 @@ def main() -> None:
     store = "sqlite" if not args.database_url else args.database_url.split(":")[0]
     print(
         f"\nclients {args.clients} x {args.requests} requests, {args.max_tokens} tokens each, "
-        f"model {args.model_size}, store {store}; torch {torch.__version__}, "
+        f"model {args.model or args.model_size}, store {store}; torch {torch.__version__}, "
         f"{os.cpu_count()} cores, {torch.get_num_threads()} engine threads\n"
     )
     print(

@@ -399,6 +399,7 @@ def main() -> None:
         help="also measure, in the same runs, the recorded path through a gateway run from this "
         "source tree, e.g. an earlier commit: git archive COMMIT | tar -x -C DIR",
     )
+    ap.add_argument("--model", help="smollm2 or a model directory (default: the tiny model)")
     args = ap.parse_args()
     if args.clients * args.requests >= len(_PROMPTS):
         ap.error(f"at most {len(_PROMPTS) - 1} requests in all (clients x requests)")
@@ -406,7 +407,12 @@ def main() -> None:
     from engines.local import LocalEngine, LocalEngineConfig
     from engines.tiny_model import tiny_model_dir
 
-    model_dir = tiny_model_dir()
+    if args.model:
+        from rlgateway.models import resolve_model
+
+        model_dir = resolve_model(args.model, Path.cwd())
+    else:
+        model_dir = tiny_model_dir()
     runs, routes, spin, vllm_tps = asyncio.run(_vllm_part(model_dir, args.vllm_python, args))
 
     async def local() -> float:
