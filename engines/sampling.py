@@ -47,7 +47,7 @@ def sample(
 ) -> torch.Tensor:
     """One token per row: argmax for greedy rows; a draw from `softmax(logp)` with the row's own
     generator for seeded rows (so a seeded request samples the same tokens whatever batch it
-    shares); one batched draw with `shared` for the unseeded rows."""
+    shares); one batched `draw` with `shared` for the unseeded rows."""
     out_B = logp_BV.argmax(dim=-1)
     free = [b for b, (g, gen) in enumerate(zip(greedy_B, generators, strict=True)) if not g]
     if not free:
@@ -56,9 +56,23 @@ def sample(
     unseeded = [b for b in free if generators[b] is None]
     if unseeded:
         rows = torch.tensor(unseeded, device=logp_BV.device)
-        out_B[rows] = torch.multinomial(probs_BV[rows], 1, generator=shared)[:, 0]
+        out_B[rows] = draw(probs_BV[rows], shared)
     for b in free:
         gen = generators[b]
-        if gen is not None:
+        if gen is not None:  # multinomial, as ever: a seed keeps giving the tokens it gave
             out_B[b] = torch.multinomial(probs_BV[b], 1, generator=gen)[0]
     return out_B
+
+
+def draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row, index i of row b with probability `probs[b, i] / probs[b].sum()`: one
+    uniform per row against the row's cumulative sums, in float64 so that no token's share is
+    lost to rounding (a zero-probability token is never drawn). `torch.multinomial` draws the
+    same distribution about 3.5x slower on CPU over a 49,152-word vocabulary (1.1 ms a row
+    against 0.3), a quarter of a 32-sequence decode step of SmolLM2 (`BENCHMARKS.md`)."""
+    cdf_BV = probs_BV.double().cumsum(dim=-1)
+    u_B1 = torch.rand(
+        probs_BV.shape[0], 1, generator=generator, dtype=torch.float64, device=probs_BV.device
+    )
+    index_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True)[:, 0]
+    return index_B.clamp_(max=probs_BV.shape[-1] - 1)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engines.sampling import behaviour_logprobs, sample, truncate
+from engines.sampling import behaviour_logprobs, draw, sample, truncate
 
 
 def _ref_keep(probs: list[float], k: int, p: float) -> set[int]:
@@ -84,3 +84,18 @@ def test_sampling_follows_the_distribution(seeded: bool) -> None:
     # 4-sigma binomial bounds on every bucket
     sigma = (probs * (1 - probs) / n).sqrt()
     assert ((counts / n - probs).abs() <= 4 * sigma).all(), counts / n
+
+
+def test_a_zero_probability_token_is_never_drawn() -> None:
+    # truncated (top-k/top-p) tokens have probability 0, between and beside kept ones
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.0, 0.3, 0.2, 0.0])
+    n = 20000
+    gen = torch.Generator().manual_seed(3)
+    out = draw(probs[None].expand(n, -1), gen)
+    counts = torch.bincount(out, minlength=7).float() / n
+    assert counts[probs == 0].sum() == 0, counts
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert ((counts - probs).abs() <= 4 * sigma).all(), counts
+    one = torch.zeros(1, 49152)
+    one[0, 49151] = 1e-30  # a tiny share at the vocabulary's end is still the only choice
+    assert draw(one, gen).tolist() == [49151]
