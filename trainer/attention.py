@@ -39,19 +39,6 @@ VARLEN = "rlgateway_varlen"
 _registered = False
 
 
-def segment_bounds(position_ids_T: torch.Tensor) -> list[tuple[int, int]]:
-    """Half-open [start, end) of each sequence of a packed row: a new one starts wherever the
-    position resets to 0 (and at index 0)."""
-    n = int(position_ids_T.shape[0])
-    if n == 0:
-        return []
-    starts = (position_ids_T == 0).nonzero().flatten().tolist()
-    if not starts or starts[0] != 0:
-        starts = [0, *starts]
-    ends = [*starts[1:], n]
-    return list(zip(starts, ends, strict=True))
-
-
 def tree_segments(position_ids_T: torch.Tensor) -> list[tuple[int, int, int, int]]:
     """The sequences of a packed row as (start, end, trunk, prefix): a sequence starts at index
     0, wherever the position resets to 0, and wherever it neither resets nor follows its

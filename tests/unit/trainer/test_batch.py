@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from trainer.attention import VARLEN, segment_bounds
+from trainer.attention import VARLEN, tree_segments
 from trainer.attention import register as register_varlen
 from trainer.batch import (
     TrainSequence,
@@ -212,15 +212,13 @@ def test_packed_forward_equals_separate_forwards(hf_model: Any) -> None:
             )
 
 
-def test_segment_bounds_split_at_position_resets() -> None:
-    assert segment_bounds(torch.tensor([0, 1, 2, 0, 1, 0, 0, 1, 2, 3])) == [
-        (0, 3),
-        (3, 5),
-        (5, 6),
-        (6, 10),
-    ]
-    assert segment_bounds(torch.tensor([0, 1, 2])) == [(0, 3)]
-    assert segment_bounds(torch.tensor([], dtype=torch.int64)) == []
+def test_a_flat_row_splits_at_its_position_resets() -> None:
+    def bounds(positions: list[int]) -> list[tuple[int, int]]:
+        return [(a, b) for a, b, _, _ in tree_segments(torch.tensor(positions, dtype=torch.int64))]
+
+    assert bounds([0, 1, 2, 0, 1, 0, 0, 1, 2, 3]) == [(0, 3), (3, 5), (5, 6), (6, 10)]
+    assert bounds([0, 1, 2]) == [(0, 3)]
+    assert bounds([]) == []
 
 
 def test_varlen_packed_gradients_equal_separate_sdpa_forwards(tiny_model: Path) -> None:

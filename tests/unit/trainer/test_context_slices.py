@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from trainer.attention import segment_bounds
+from trainer.attention import tree_segments
 from trainer.batch import MicroBatch, TrainSequence, pack
 from trainer.parallel.context import padded_length, slice_bounds, slice_row
 
@@ -74,7 +74,7 @@ def test_the_slices_are_the_padded_row_in_order(row: MicroBatch, size: int) -> N
     positions = row.position_ids_1T[0].tolist() + list(range(pad))
     assert joined("position_ids_1L") == positions
     assert all(p.row_position_ids_1P[0].tolist() == positions for p in parts)
-    bounds = segment_bounds(parts[0].row_position_ids_1P[0])
+    bounds = [(a, b) for a, b, _, _ in tree_segments(parts[0].row_position_ids_1P[0])]
     assert bounds == [(0, 5), (5, 9), (9, 11)] + ([(11, padded)] if pad else [])
 
 
