@@ -271,6 +271,11 @@ def pack(
     """Packs `seqs` into micro-batches of at most `token_budget` row positions (a longer
     sequence is alone in its own), following `plan_rows`."""
     plan = plan_rows(seqs, token_budget, prefix_sharing=prefix_sharing, min_shared=min_shared)
+    return pack_rows(seqs, plan)
+
+
+def pack_rows(seqs: Sequence[TrainSequence], plan: Sequence[Sequence[Member]]) -> list[MicroBatch]:
+    """The micro-batches of a `plan_rows` plan of `seqs`."""
     return [_pack_row(seqs, members) for members in plan]
 
 

@@ -92,7 +92,7 @@ from trainer.batch import (
     MicroBatch,
     TrainSequence,
     data_shards,
-    pack,
+    pack_rows,
     plan_rows,
     token_entropy,
     token_logprobs,
@@ -350,19 +350,19 @@ class FSDPBackend:
             return tree_shards(seqs, self.dp_size, token_budget)
         return data_shards([len(s) for s in seqs], self.dp_size)
 
-    def _pack(self, seqs: Sequence[TrainSequence], token_budget: int) -> list[MicroBatch]:
-        return pack(seqs, token_budget, prefix_sharing=self.prefix_sharing)
-
-    def _micro_batch_count(self, seqs: Sequence[TrainSequence], token_budget: int) -> int:
-        """Micro-batches of the busiest rank: the number of passes every rank runs."""
-        return max(
-            len(
-                plan_rows(
-                    [seqs[i] for i in shard], token_budget, prefix_sharing=self.prefix_sharing
-                )
-            )
-            for shard in self._shards(seqs, token_budget)
-        )
+    def _plan(
+        self, seqs: Sequence[TrainSequence], token_budget: int
+    ) -> tuple[list[int], list[MicroBatch], int]:
+        """This rank's share of `seqs` (indices), its micro-batches, and the number of passes
+        every rank runs (the busiest rank's micro-batches): every rank's rows planned once."""
+        shards = self._shards(seqs, token_budget)
+        plans = [
+            plan_rows([seqs[i] for i in shard], token_budget, prefix_sharing=self.prefix_sharing)
+            for shard in shards
+        ]
+        ids = shards[self.dp_rank]
+        micro = pack_rows([seqs[i] for i in ids], plans[self.dp_rank])
+        return ids, micro, max(len(plan) for plan in plans)
 
     def _forward(
         self, input_ids_1T: torch.Tensor, position_ids_1T: torch.Tensor, **kwargs: Any
@@ -439,12 +439,11 @@ class FSDPBackend:
         self, seqs: Sequence[TrainSequence], temperature: float, token_budget: int
     ) -> list[list[float]]:
         """`_per_position` of every sequence without grad, unpacked per token, on every rank."""
-        ids = self._shards(seqs, token_budget)[self.dp_rank]
-        micro = self._pack([seqs[i] for i in ids], token_budget)
+        ids, micro, passes = self._plan(seqs, token_budget)
         results: dict[int, list[float]] = {}
         self.model.eval()
         with torch.no_grad():
-            for k in range(self._micro_batch_count(seqs, token_budget)):
+            for k in range(passes):
                 if k >= len(micro):
                     self._empty_pass(backward=False)
                     continue
@@ -468,12 +467,11 @@ class FSDPBackend:
         step_schedule: bool = True,
     ) -> dict[str, float]:
         check_step(seqs, global_norm)
-        mine = [seqs[i] for i in self._shards(seqs, token_budget)[self.dp_rank]]
-        micro = self._pack(mine, token_budget)
+        _, micro, passes = self._plan(seqs, token_budget)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         records: list[StepRecord] = []
-        for k in range(self._micro_batch_count(seqs, token_budget)):
+        for k in range(passes):
             if k >= len(micro):
                 self._empty_pass(backward=True)
                 continue
