@@ -2,17 +2,18 @@
 PostgreSQL database, side by side with one replica alone, then the fleet with a replica SIGKILLed
 half-way and started again.
 
-    .venv/bin/python bench/bench_fleet.py [--sessions 1000 --turns 10 --concurrency 1000]
+    .venv/bin/python bench/bench_fleet.py [--sessions 1000 --turns 10 --concurrency 1000] \
+        [--model tiny|smollm2|DIR]
 
 Each session holds a conversation of `--turns` turns (each turn extends it with the reply it
-got), all sessions at once up to `--concurrency`, on loopback, the tiny model, each replica with
-its engine process. A refused or failed turn is sent again with the openai SDK's retry header
-(`x-stainless-retry-count`), as an agent riding out a fault does. Afterwards each session's
-recording is read back: "lost" counts turns a client got a 200 for that are not in their
-session's segments, "unseen" counts turns in the segments (what the trainer trains) that no
-client got, "breaks" the prefix breaks. Needs PostgreSQL (RLGATEWAY_TEST_POSTGRES_URL, default
-the local server) and HAProxy (Debian's package). Prints one table; nothing here is asserted by
-a test (tests/integration/deployment/test_fleet_faults.py asserts the guarantees).
+got), all sessions at once up to `--concurrency`, on loopback, the tiny model (or `--model`),
+each replica with its engine process. A refused or failed turn is sent again with the openai
+SDK's retry header (`x-stainless-retry-count`), as an agent riding out a fault does. Afterwards
+each session's recording is read back: "lost" counts turns a client got a 200 for that are not
+in their session's segments, "unseen" counts turns in the segments (what the trainer trains)
+that no client got, "breaks" the prefix breaks. Needs PostgreSQL (RLGATEWAY_TEST_POSTGRES_URL,
+default the local server) and HAProxy (Debian's package). Prints one table; nothing here is
+asserted by a test (tests/integration/deployment/test_fleet_faults.py asserts the guarantees).
 """
 
 from __future__ import annotations
@@ -88,14 +89,15 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=1000)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--concurrency", type=int, default=1000)
+    ap.add_argument("--model", default="tiny", help="tiny (the test model), smollm2 or a directory")
     args = ap.parse_args()
 
-    from engines.tiny_model import tiny_model_dir
+    from rlgateway.models import resolve_model
     from tests.store_fixtures import create_postgres_database, drop_postgres_database
     from tests.support.gateway_server import free_port, run_gateway
     from tests.support.load_balancer import run_haproxy
 
-    model = tiny_model_dir(size="test", seed=0)
+    model = resolve_model(args.model, Path.cwd())
     tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     database_url = create_postgres_database()
     lb_port, ports = free_port(), {"a": free_port(), "b": free_port()}

@@ -1,7 +1,7 @@
 """Trainer throughput and memory per rank under each parallel strategy, side by side in one run.
 
     .venv/bin/python bench/bench_parallel.py [--seqs 32] [--steps 4] [--rounds 3]
-        [--token-budget 1024] [--cores 2] [--only ALLOC ...] [--logs DIR]
+        [--token-budget 1024] [--cores 2] [--only ALLOC ...] [--logs DIR] [--model smollm2|DIR]
 
 Each configuration is an allocation string on a demo-size tiny model: the dense model under
 `fsdp` (1 process), `fsdp:d2` (2 processes, data parallel), `fsdp:t2` (tensor parallel) and
@@ -9,7 +9,8 @@ Each configuration is an allocation string on a demo-size tiny model: the dense 
 `megatron` (1 process), `megatron:t2` and `megatron:p2` (megatron-core's tensor and pipeline
 parallel; on a CPU through the test harness tests/support/megatron_cpu.py, as its tests run);
 the MoE model under `archon` (1 process) and `archon:e2` (2 processes, expert parallel; router
-balance loss 0.01). Every configuration runs as a fresh
+balance loss 0.01). `--model` puts another dense model (SmolLM2, a directory) in the dense
+model's place; the MoE model stays the tiny one. Every configuration runs as a fresh
 `torchrun` of this script (`--worker ALLOC MODEL OUT`) on the gloo backend, with `--cores`
 threads in all (OMP_NUM_THREADS = cores / processes), and trains the same `--seqs` sequences
 (`bench_trainer.make_sequences`: long-tailed lengths, token ids < 256), every rank given the whole
@@ -240,6 +241,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--only", nargs="*", help="allocations to run (default: all)")
     ap.add_argument("--logs", help="keep each run's output and result here (default: dropped)")
+    ap.add_argument("--model", help="the dense model: smollm2 or a directory (default: tiny, demo)")
     ap.add_argument("--worker", nargs=3, metavar=("ALLOC", "MODEL", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -251,11 +253,16 @@ def main() -> None:
 
     from bench.bench_trainer import make_sequences
     from engines.tiny_model import TINY_SIZES, tiny_model_dir
+    from rlgateway.models import resolve_model
 
     configs = [c for c in CONFIGS if not args.only or c.allocation in args.only]
     # built here, once, before any worker looks for them
     models = {
-        "dense": str(tiny_model_dir(size="demo", seed=0)),
+        "dense": str(
+            resolve_model(args.model, Path.cwd())
+            if args.model
+            else tiny_model_dir(size="demo", seed=0)
+        ),
         "moe": str(tiny_model_dir(size="demo", seed=0, moe=True)),
     }
     seqs = make_sequences(args.seqs, VOCAB, seed=0)
@@ -279,9 +286,10 @@ def main() -> None:
         return float(statistics.median(res["step_s"]))
 
     size = TINY_SIZES["demo"]
+    dense = f"dense: {args.model}; " if args.model else ""
     print(
-        f"\ndemo-size tiny models (hidden {size.hidden_size}, {size.num_hidden_layers} layers; "
-        f"MoE: 8 experts, top 2), {args.seqs} sequences, {tokens} tokens per step "
+        f"\n{dense}demo-size tiny models (hidden {size.hidden_size}, {size.num_hidden_layers} "
+        f"layers; MoE: 8 experts, top 2), {args.seqs} sequences, {tokens} tokens per step "
         f"({loss_tokens} trained), token budget {args.token_budget}, torch {torch.__version__}, "
         f"gloo, {args.cores} threads per run (1 process: {args.cores} threads; 2 processes: "
         f"{max(1, args.cores // 2)} each); median of {args.steps} steps after a warmup, then "

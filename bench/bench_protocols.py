@@ -1,16 +1,20 @@
 """What each protocol's adapter costs over the turn core: gateway CPU per request, side by side in
 one run.
 
-    .venv/bin/python bench/bench_protocols.py [--requests 300] [--tokens 32] [--repeat 3]
+    .venv/bin/python bench/bench_protocols.py [--requests 300] [--tokens 32] [--repeat 3] \
+        [--model tiny|smollm2|DIR] [--tool-parser auto|hermes|...]
 
-The gateway runs in-process (ASGI) on an engine that replays a fixed reply at once (so only the
-gateway's own work is measured: no model), recording every turn into a SQLite store. Each row
-sends the same single-turn question, with tools, through one protocol, sequentially, and reports
-CPU microseconds per request (`time.process_time`: this process's CPU, which other load on the
-machine does not inflate). "core" calls the turn core directly (plan, generate, parse, commit; no
-HTTP, no request or response schema); the protocol rows go through HTTP (the httpx client's own CPU
-included, the same for every row), so "over core" is what the route edge and the adapter add.
-`--repeat` runs every row N times, interleaved, and reports each row's median.
+(SmolLM2's chat template writes tool calls in no format of its own: `--model smollm2
+--tool-parser hermes`.) The gateway runs in-process (ASGI) on an engine that replays a fixed
+reply at once (so only the gateway's own work is measured: no model forward; `--model` picks the
+tokenizer and chat template the gateway renders and parses with), recording every turn into a
+SQLite store. Each row sends the same single-turn question, with tools, through one protocol,
+sequentially, and reports CPU microseconds per request (`time.process_time`: this process's CPU,
+which other load on the machine does not inflate). "core" calls the turn core directly (plan,
+generate, parse, commit; no HTTP, no request or response schema); the protocol rows go through
+HTTP (the httpx client's own CPU included, the same for every row), so "over core" is what the
+route edge and the adapter add. `--repeat` runs every row N times, interleaved, and reports
+each row's median.
 """
 
 from __future__ import annotations
@@ -77,8 +81,8 @@ async def cpu_per_request(sessions: list[dict[str, Any]], send: Send) -> float:
     return (time.process_time() - t0) / (len(sessions) - WARM) * 1e6
 
 
-async def main(requests: int, tokens: int, repeat: int) -> None:
-    from engines.tiny_model import load_tokenizer, tiny_model_dir
+async def main(model: Path, tool_parser: str, requests: int, tokens: int, repeat: int) -> None:
+    from engines.tiny_model import load_tokenizer
     from gateway.core.sampling import Asked
     from gateway.core.turn_types import ChatPrompt, ToolChoice, TurnSpec
     from gateway.deps import Components
@@ -87,7 +91,6 @@ async def main(requests: int, tokens: int, repeat: int) -> None:
     from store import Store
     from tests.support.replay_engine import ReplayEngine
 
-    model = tiny_model_dir()
     tok = load_tokenizer(model)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     reply = tok.encode("The sum is five, " * tokens, add_special_tokens=False)[: tokens - 1]
@@ -95,8 +98,8 @@ async def main(requests: int, tokens: int, repeat: int) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-protocols-"))
     store = await Store.connect(f"sqlite:///{tmp / 'store.db'}")
     app = create_app(
-        GatewaySettings(admin_token="bench"),
-        Components(engine, store, tok, engine.eos_token_ids, "tiny"),  # type: ignore[arg-type]
+        GatewaySettings(admin_token="bench", tool_parser=tool_parser),
+        Components(engine, store, tok, engine.eos_token_ids, model.name),  # type: ignore[arg-type]
     )
     rows: dict[str, list[float]] = {}
     async with app.router.lifespan_context(app):
@@ -150,7 +153,10 @@ async def main(requests: int, tokens: int, repeat: int) -> None:
                     rows.setdefault(name, []).append(await cpu_per_request(fresh, send))
     await store.close()
     base = statistics.median(rows["core"])
-    print(f"\n{requests} requests per row, {tokens} tokens each, median of {repeat}\n")
+    print(
+        f"\n{requests} requests per row, {tokens} tokens each, median of {repeat}; "
+        f"the tokenizer and chat template of {model.name}\n"
+    )
     print("| path | CPU per request (us) | over core (us) |")
     print("|---|---:|---:|")
     for name, runs in rows.items():
@@ -164,5 +170,10 @@ if __name__ == "__main__":
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--model", default="tiny", help="tiny (the test model), smollm2 or a directory")
+    p.add_argument("--tool-parser", default="auto", help="the gateway's --tool-parser")
     a = p.parse_args()
-    asyncio.run(main(a.requests, a.tokens, a.repeat))
+    from rlgateway.models import resolve_model
+
+    model = resolve_model(a.model, Path.cwd())
+    asyncio.run(main(model, a.tool_parser, a.requests, a.tokens, a.repeat))

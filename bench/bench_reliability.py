@@ -1,6 +1,10 @@
 """Reliability in one go: the fuzz run, a load run, and the fault runs, against real servers.
 
-    .venv/bin/python bench/bench_reliability.py [--sessions 200 --turns 10 --fuzz-examples 80]
+    .venv/bin/python bench/bench_reliability.py [--sessions 200 --turns 10 --fuzz-examples 80] \
+        [--model tiny|smollm2|DIR]
+
+The load and fault runs serve `--model` (the tiny test model by default); the fuzz run is the
+test suite's own (the tiny model).
 
 1. **fuzz**: the property-based suite (`tests/integration/gateway/test_fuzz_api.py`: every
    operation of the OpenAPI document, schema-conforming and not) against a real `rlgateway
@@ -62,6 +66,7 @@ class Server:
     port: int
     database_url: str
     log: Path
+    model: str | None = None
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -73,6 +78,7 @@ class Server:
             sys.executable,
             *("-m", "rlgateway.cli", "serve", "--port", str(self.port)),
             *("--database-url", self.database_url, "--admin-token", ADMIN),
+            *(("--model", self.model) if self.model else ()),
             *("--log-level", "warning"),
         ]
         env = {**os.environ, "RLGATEWAY_MAX_MODEL_LEN": "1024", "HF_HUB_OFFLINE": "1"}
@@ -255,6 +261,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--fuzz-examples", type=int, default=80)
+    ap.add_argument("--model", default="tiny", help="tiny (the test model), smollm2 or a directory")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-rel-"))
     total = args.sessions * args.turns
@@ -263,7 +270,10 @@ def main() -> None:
     f = fuzz(args.fuzz_examples)
     rows.append(("fuzz", f"{f['cases']} cases, {f['result']} ({f['seconds']:.0f} s)"))
 
-    server = Server(_free_port(), f"sqlite:///{tmp / 'load.db'}", tmp / "load.log")
+    from rlgateway.models import resolve_model
+
+    model = str(resolve_model(args.model, Path.cwd()))
+    server = Server(_free_port(), f"sqlite:///{tmp / 'load.db'}", tmp / "load.log", model)
     server.start()
     try:
         load = new_load(server, args.sessions, args.turns)
@@ -302,7 +312,7 @@ def main() -> None:
     finally:
         server.stop()
 
-    server = Server(_free_port(), f"sqlite:///{tmp / 'kill.db'}", tmp / "kill.log")
+    server = Server(_free_port(), f"sqlite:///{tmp / 'kill.db'}", tmp / "kill.log", model)
     server.start()
     try:
         load = new_load(server, args.sessions, args.turns)
