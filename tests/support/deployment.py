@@ -22,7 +22,10 @@ STEPS = 2
 
 
 def drive(gw: GatewayHandle, run_id: str, until: int, timeout: float = 180) -> None:
-    """Run GRPO groups of 2 (chat, reward, end) until the gateway serves version `until`."""
+    """Run GRPO groups of 2 (chat, reward, end) until the gateway serves version `until`. The
+    rewards differ within every group by construction (the second session's is 1 higher, the
+    text's share of lowercase letters adds at most 0.5), so each group's advantages are
+    non-zero and every step moves the weights."""
     deadline = time.monotonic() + timeout
     g = 0
     while gw.client.get("/admin/version").json()["version"] < until:
@@ -33,7 +36,7 @@ def drive(gw: GatewayHandle, run_id: str, until: int, timeout: float = 180) -> N
             continue
         assert r.status_code == 201, r.text
         g += 1
-        for s in r.json()["sessions"]:
+        for i, s in enumerate(r.json()["sessions"]):
             key = {"Authorization": f"Bearer {s['api_key']}"}
             with httpx.Client(base_url=gw.url, headers=key, timeout=60) as agent:
                 c = agent.post(
@@ -42,7 +45,7 @@ def drive(gw: GatewayHandle, run_id: str, until: int, timeout: float = 180) -> N
                 )
                 assert c.status_code == 200, c.text
                 text = c.json()["choices"][0]["message"]["content"] or ""
-                reward = sum(ch.islower() for ch in text) / 8
+                reward = i + sum(ch.islower() for ch in text) / (2 * max(len(text), 1))
                 agent.post(f"/sessions/{s['id']}/reward", json={"reward": reward})
                 agent.post(f"/sessions/{s['id']}/end")
 

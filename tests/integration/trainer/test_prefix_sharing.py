@@ -55,6 +55,27 @@ def test_trees_hold_each_prompt_once_per_row() -> None:
     assert max(positions) <= TOKEN_BUDGET
 
 
+def test_the_backend_runs_each_prompt_once(runs: dict[bool, dict[str, Any]]) -> None:
+    """What the model itself is run on: the positions its embedding sees in a forward of the
+    group, flat and as trees (the planner's saving is the backend's)."""
+    seqs = group_sequences()
+    seen = {}
+    for sharing in (False, True):
+        backend = runs[sharing]["backend"]
+        counts: list[int] = []
+        embed = backend.model.get_input_embeddings()
+        hook = embed.register_forward_hook(
+            lambda _m, args, _o, counts=counts: counts.append(args[0].numel())
+        )
+        try:
+            backend.forward_logprobs(seqs, 1.0, token_budget=TOKEN_BUDGET)
+        finally:
+            hook.remove()
+        seen[sharing] = sum(counts)
+    assert seen[False] == sum(len(s) for s in seqs)
+    assert seen[True] < 0.5 * seen[False]
+
+
 def test_two_processes_train_the_weights_of_one(
     runs: dict[bool, dict[str, Any]], tiny_model: Path, tmp_path: Path
 ) -> None:
