@@ -220,25 +220,35 @@ def tree_shards(
     return [sorted(shard) for shard in shards]
 
 
-def split_minibatches(lengths: Sequence[int], n: int, *, seed: str) -> list[list[int]]:
-    """One epoch's PPO mini-batches of a batch of sequences of these `lengths`: min(n, len)
-    groups of indices, balanced by tokens, each in ascending index order. The sequences go in a
-    random order (`random.Random(seed).shuffle` of their indices), each into the group with the
-    fewest tokens so far (ties to the lowest group), so no group holds more than one sequence's
-    length of tokens beyond another's, and each epoch mixes its mini-batches anew when each has
-    its own seed (the trainer's: `{optim.seed}:{step}:{epoch}`). A function of its arguments
-    alone, so every rank splits the same way."""
+def split_minibatches(
+    lengths: Sequence[int],
+    n: int,
+    *,
+    seed: str,
+    units: Sequence[Sequence[int]] | None = None,
+) -> list[list[int]]:
+    """One epoch's PPO mini-batches of a batch of sequences of these `lengths`: groups of
+    indices, balanced by tokens, each in ascending index order. The sequences go in a random
+    order (`random.Random(seed).shuffle`), each into the group with the fewest tokens so far
+    (ties to the lowest group), so no group holds more than one sequence's length of tokens
+    beyond another's, and each epoch mixes its mini-batches anew when each has its own seed (the
+    trainer's: `{optim.seed}:{step}:{epoch}`). `units` (a partition of the indices; default each
+    index alone) go whole: they are what is shuffled and placed, min(n, len(units)) groups of
+    them. A function of its arguments alone, so every rank splits the same way."""
     if n < 1:
         raise ValueError(f"n must be positive, got {n}")
-    k = min(n, len(lengths))
+    parts = [[i] for i in range(len(lengths))] if units is None else [list(u) for u in units]
+    if sorted(i for u in parts for i in u) != list(range(len(lengths))):
+        raise ValueError("units must partition the sequences' indices")
+    k = min(n, len(parts))
     groups: list[list[int]] = [[] for _ in range(k)]
     load = [0] * k
-    order = list(range(len(lengths)))
+    order = list(range(len(parts)))
     random.Random(seed).shuffle(order)
-    for i in order:
+    for u in order:
         g = min(range(k), key=lambda j: (load[j], j))
-        groups[g].append(i)
-        load[g] += lengths[i]
+        groups[g] += parts[u]
+        load[g] += sum(lengths[i] for i in parts[u])
     return [sorted(g) for g in groups]
 
 

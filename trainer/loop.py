@@ -48,6 +48,7 @@ from trainer.backends.base import TrainBackend, ValueBackend
 from trainer.batch import TrainSequence, split_minibatches
 from trainer.config import TrainConfig
 from trainer.loss import make_loss_fn, make_value_loss_fn
+from trainer.prefix import minibatch_units
 from trainer.publish import WeightPublisher
 from trainer.report import MetricsSink
 from trainer.sequences import (
@@ -448,10 +449,15 @@ class Trainer:
         the critic) each; the LR schedule advances once, after the last."""
         cfg, algo = self.cfg, self.algo
         # Each epoch its own split, seeded alike on every rank, so mini-batches mix anew.
+        trees = bool(getattr(cfg.backend, "prefix_sharing", False))
+        units = minibatch_units(seqs, algo.ppo_minibatch_split, trees=trees)
         lengths = [len(s) for s in seqs]
         epochs = [
             split_minibatches(
-                lengths, algo.ppo_n_minibatches, seed=f"{cfg.optim.seed}:{self.step}:{e}"
+                lengths,
+                algo.ppo_n_minibatches,
+                seed=f"{cfg.optim.seed}:{self.step}:{e}",
+                units=units,
             )
             for e in range(algo.ppo_epochs)
         ]

@@ -23,6 +23,7 @@ Planning is a pure function of the sequences, so every data rank can plan every 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -111,3 +112,21 @@ def plan_trees(
         if len(seq.tokens) > min_shared:
             by_head.setdefault(head, []).append(len(trees) - 1)
     return trees
+
+
+def prefix_units(seqs: Sequence[Tokens], *, min_shared: int = MIN_SHARED) -> list[list[int]]:
+    """The sequences that share a prefix, as `plan_trees` would join them with no token budget:
+    indices, each unit ascending (a GRPO group's answers to one prompt are one unit; a sequence
+    that shares nothing is a unit of its own). PPO mini-batches split by these units keep every
+    tree whole (`AlgorithmConfig.ppo_minibatch_split`)."""
+    trees = plan_trees(seqs, sys.maxsize, min_shared=min_shared)
+    return [sorted(m.seq for m in tree) for tree in trees]
+
+
+def minibatch_units(seqs: Sequence[Tokens], split: str, *, trees: bool) -> list[list[int]] | None:
+    """What PPO's mini-batch split places whole under `AlgorithmConfig.ppo_minibatch_split`
+    (`split`; `trees`: the backend packs prefix-shared trees, which `auto` follows): the
+    `prefix_units`, or None for each sequence alone."""
+    if split == "prefixes" or (split == "auto" and trees):
+        return prefix_units(seqs)
+    return None

@@ -39,9 +39,11 @@ class Turn:
 
 @dataclass(frozen=True)
 class Context:
-    """Prompt, tool or user tokens: `n` tokens that are not trained."""
+    """Prompt, tool or user tokens: `n` tokens that are not trained; every context of one `key`
+    the same tokens (a prompt the members of a group share)."""
 
     n: int
+    key: str | None = None
 
 
 Part = Turn | Context
@@ -82,6 +84,7 @@ def build_trajectories(
     (at each turn's temperature) plus each turn's offset and Gaussian noise. Returns are the
     store's: G_i = r_i + discount * G_{i+1}, the final reward on the last turn."""
     gen = torch.Generator().manual_seed(seed)
+    keyed: dict[str, list[int]] = {}
     drafts: list[dict[str, Any]] = []
     for e, ep in enumerate(episodes):
         segs = []
@@ -95,7 +98,13 @@ def build_trajectories(
             turns: list[Turn] = []
             for part in parts:
                 start = len(tokens)
-                tokens += torch.randint(0, 256, (part.n,), generator=gen).tolist()
+                key = part.key if isinstance(part, Context) else None
+                if key is not None and key in keyed:
+                    tokens += keyed[key]
+                else:
+                    tokens += torch.randint(0, 256, (part.n,), generator=gen).tolist()
+                    if key is not None:
+                        keyed[key] = tokens[start:]
                 sampled = isinstance(part, Turn)
                 mask += [int(sampled)] * part.n
                 if isinstance(part, Turn):
@@ -249,6 +258,16 @@ MULTI_TURN = [
 """Multi-turn groups (per-turn rewards, uniform, near-uniform) in one batch with a single-turn
 group."""
 
+SHARED_PROMPTS = [
+    # groups a and b, each answering one 20-token prompt (shared: trainer.prefix.prefix_units)
+    Episode("a", ((P(20, "a"), Turn(10)),), final_reward=1.0),
+    Episode("b", ((P(20, "b"), Turn(9)),), final_reward=0.9),
+    Episode("a", ((P(20, "a"), Turn(14)),), final_reward=0.0),
+    Episode("b", ((P(20, "b"), Turn(5)),), final_reward=-0.4),
+    Episode("a", ((P(20, "a"), Turn(8)),), final_reward=0.5),
+    Episode("b", ((P(20, "b"), Turn(12)),), final_reward=0.3),
+]
+
 INPUTS: dict[str, tuple[list[Episode], float]] = {
     "mixed": (MIXED, 0.3),
     "far": (MIXED, 1.0),
@@ -259,6 +278,7 @@ INPUTS: dict[str, tuple[list[Episode], float]] = {
     "context_only_plain": (_context_only(plain=True), 0.3),
     "multiturn": (MULTI_TURN, 0.3),
     "multiturn_discounted": (MULTI_TURN, 0.3),
+    "shared_prompts": (SHARED_PROMPTS, 0.3),
 }
 DISCOUNTS = {"multiturn_discounted": 0.5}
 """The run's per-turn discount for an input (1 for the others): its returns are built with it."""

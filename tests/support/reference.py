@@ -304,19 +304,36 @@ def reward_to_go(
     return out
 
 
-def minibatch_partition(lengths: list[int], n: int, seed: str) -> list[list[int]]:
-    """One epoch's: the indices as `random.Random(seed)` shuffles them, each to the mini-batch
-    with the fewest tokens so far (ties: the lowest index); each mini-batch's indices ascending.
-    The trainer's seed of epoch e of step s is `{optim.seed}:{s}:{e}`."""
+def minibatch_partition(
+    lengths: list[int], n: int, seed: str, units: list[list[int]] | None = None
+) -> list[list[int]]:
+    """One epoch's: the units (default each index alone) as `random.Random(seed)` shuffles them,
+    each whole to the mini-batch with the fewest tokens so far (ties: the lowest index); each
+    mini-batch's indices ascending. The trainer's seed of epoch e of step s is
+    `{optim.seed}:{s}:{e}`."""
+    units = [[i] for i in range(len(lengths))] if units is None else units
+    n = min(n, len(units))
     bins: list[list[int]] = [[] for _ in range(n)]
     load = [0] * n
-    order = list(range(len(lengths)))
+    order = list(range(len(units)))
     random.Random(seed).shuffle(order)
-    for i in order:
+    for u in order:
         b = min(range(n), key=lambda j: (load[j], j))
-        bins[b].append(i)
-        load[b] += lengths[i]
+        bins[b] += units[u]
+        load[b] += sum(lengths[i] for i in units[u])
     return [sorted(b) for b in bins]
+
+
+def same_prompt_units(seqs: list[RefSequence], shared: int = 16) -> list[list[int]]:
+    """`ppo_minibatch_split: prefixes` for inputs whose sequences either share a prompt of more
+    than `shared` tokens whole or share nothing: sequences whose first `shared + 1` tokens are
+    equal and untrained, in order of first appearance."""
+    units: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(seqs):
+        head = tuple(s.tokens[: shared + 1])
+        untrained = len(s.tokens) > shared + 1 and not bool(s.mask_T[: shared + 1].any())
+        units.setdefault(head if untrained else (-1 - i,), []).append(i)
+    return list(units.values())
 
 
 def _aggregate(
@@ -537,9 +554,10 @@ def reference_step(
         return out
 
     # 8-9
-    lengths, n_minibatches = [len(s.tokens) for s in seqs], min(algo.ppo_n_minibatches, len(seqs))
-    epochs = [  # the first step (0) of a fresh trainer
-        minibatch_partition(lengths, n_minibatches, f"{cfg.optim.seed}:0:{e}")
+    lengths = [len(s.tokens) for s in seqs]
+    units = same_prompt_units(seqs) if algo.ppo_minibatch_split == "prefixes" else None
+    epochs = [  # the first step (0) of a fresh trainer (its backend packs no trees: auto is flat)
+        minibatch_partition(lengths, algo.ppo_n_minibatches, f"{cfg.optim.seed}:0:{e}", units)
         for e in range(algo.ppo_epochs)
     ]
     out.minibatches = epochs[0]

@@ -10,8 +10,8 @@ The pipeline these knobs describe (the trainer applies it in this order, as ARea
    setting, not a knob here): 1 between the tokens of a turn, `discount` from one turn to the
    next, for the returns, GAE and the KL reward-to-go alike;
 4. batch normalisation of the advantages (`adv_norm`);
-5. the update: the batch in `ppo_n_minibatches` mini-batches, one optimizer step each, for
-   `ppo_epochs` passes;
+5. the update: the batch in `ppo_n_minibatches` mini-batches (split by `ppo_minibatch_split`),
+   one optimizer step each, for `ppo_epochs` passes;
 6. the loss: PPO clip (`eps_low`, `eps_high`, `dual_clip_c`), decoupled (`decoupled`), the
    engine/trainer mismatch correction of its behaviour weight (`behav_imp_weight_cap`,
    `behav_imp_weight_mode`), token or sequence ratio (`importance_level`), aggregation (`agg`),
@@ -85,6 +85,13 @@ class AlgorithmConfig(BaseModel):
     per batch, then one optimizer step per mini-batch, so from the second mini-batch on the
     policy has moved away from the proximal one and the clip binds. A batch of fewer sequences
     has one mini-batch per sequence."""
+    ppo_minibatch_split: Literal["auto", "sequences", "prefixes"] = "auto"
+    """How the batch's sequences go into its mini-batches (shuffled, each to the mini-batch with
+    the fewest tokens so far): `sequences` one by one; `prefixes` the sequences that begin with
+    the same prompt (`trainer.prefix.prefix_units`: a GRPO group, a multi-turn group's episodes)
+    together, so that a backend packing prefix-shared trees (`backend.prefix_sharing`) runs
+    each prompt once per mini-batch and not once per sequence scattered over them; auto:
+    `prefixes` where the backend packs trees, else `sequences`."""
     ppo_epochs: int = Field(default=1, ge=1)
     """Passes over the batch's mini-batches per step (each pass steps once per mini-batch)."""
 

@@ -323,6 +323,15 @@ CASES = [
         setup(),
         minibatches(sum(1 for e in MIXED for _ in e.segments)),
     ),
+    Case(
+        "ppo_minibatch_split-prefixes",
+        setup("shared_prompts", ppo_n_minibatches=2, ppo_minibatch_split="prefixes"),
+        setup("shared_prompts", ppo_n_minibatches=2),
+        lambda on, off: (
+            sorted(on.ref.minibatches) == [[0, 2, 4], [1, 3, 5]]
+            and sorted(off.ref.minibatches) != [[0, 2, 4], [1, 3, 5]]
+        ),
+    ),
     Case("ppo_epochs-2", setup(ppo_epochs=2), setup(), more_steps),
     Case(
         "ppo_epochs-2-one-minibatch",

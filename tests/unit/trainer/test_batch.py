@@ -89,6 +89,26 @@ def test_minibatches_are_at_most_the_sequences() -> None:
         split_minibatches([1], 0, seed="s")
 
 
+def test_minibatch_units_go_whole_and_each_alone_is_the_plain_split() -> None:
+    rng = random.Random(1)
+    lengths = [rng.randint(1, 90) for _ in range(32)]
+    units = [list(range(g, g + 8)) for g in range(0, 32, 8)]
+    for e in range(3):
+        split = split_minibatches(lengths, 4, seed=f"0:7:{e}", units=units)
+        assert sorted(sorted(g) for g in split) == units  # each mini-batch one whole unit
+        alone = [[i] for i in range(32)]
+        plain = split_minibatches(lengths, 4, seed=f"0:7:{e}")
+        assert split_minibatches(lengths, 4, seed=f"0:7:{e}", units=alone) == plain
+    two = split_minibatches(lengths, 2, seed="s", units=units)
+    assert sorted(len(g) for g in two) == [16, 16]
+    assert all(set(u) <= set(g) or not set(u) & set(g) for g in two for u in units)
+    assert len(split_minibatches(lengths, 8, seed="s", units=units)) == 4  # at most the units
+    with pytest.raises(ValueError, match="partition"):
+        split_minibatches([1, 2, 3], 2, seed="s", units=[[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="partition"):
+        split_minibatches([1, 2, 3], 2, seed="s", units=[[0, 1]])
+
+
 def test_pack_keeps_every_token_once_with_no_padding() -> None:
     seqs = random_seqs([5, 17, 1, 30, 8, 12, 3], seed=1)
     micro = pack(seqs, 20)

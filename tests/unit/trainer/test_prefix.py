@@ -26,7 +26,7 @@ from trainer.batch import (
     unpack_token_values,
 )
 from trainer.config import TrainConfig
-from trainer.prefix import Member, plan_trees, shareable
+from trainer.prefix import MIN_SHARED, Member, minibatch_units, plan_trees, prefix_units, shareable
 
 ATOL = 1e-5
 
@@ -237,3 +237,15 @@ def test_what_cannot_pack_trees_refuses_the_option() -> None:
     # the run config's setting reaches the backend's constructor
     config = TrainConfig.model_validate({"backend": {"prefix_sharing": True}})
     assert config.backend_config("m").prefix_sharing is True
+
+
+def test_prefix_units_are_the_groups_and_auto_follows_the_backend() -> None:
+    seqs = groups(3, 4, 20, (1, 9), seed=3)  # interleaved: sequence i is of group i % 3
+    units = [[g + 3 * k for k in range(4)] for g in range(3)]
+    assert prefix_units(seqs) == units
+    short = groups(3, 4, MIN_SHARED - 1, (1, 9), seed=3)  # prompts too short to share
+    assert prefix_units(short) == [[i] for i in range(12)]
+    assert minibatch_units(seqs, "prefixes", trees=False) == units
+    assert minibatch_units(seqs, "auto", trees=True) == units
+    assert minibatch_units(seqs, "auto", trees=False) is None
+    assert minibatch_units(seqs, "sequences", trees=True) is None
