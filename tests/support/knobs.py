@@ -325,6 +325,7 @@ class Setup:
     algorithm: str = "grpo"
     max_tokens: int | None = 16
     temperature: float = 1.0
+    backend: Items = ()
 
     def config(self, checkpoint_dir: str = "unused") -> TrainConfig:
         return TrainConfig.model_validate(
@@ -340,12 +341,23 @@ class Setup:
                 "temperature": self.temperature,
                 "discount": DISCOUNTS.get(self.inputs, 1.0),
                 "token_budget": TOKEN_BUDGET,
+                "backend": {"type": "fsdp", **dict(self.backend)},
             }
         )
 
 
-def setup(inputs: str = "mixed", optim: dict[str, Any] | None = None, **algo: Any) -> Setup:
-    return Setup(tuple(sorted(algo.items())), inputs, tuple(sorted((optim or {}).items())))
+def setup(
+    inputs: str = "mixed",
+    optim: dict[str, Any] | None = None,
+    backend: dict[str, Any] | None = None,
+    **algo: Any,
+) -> Setup:
+    return Setup(
+        tuple(sorted(algo.items())),
+        inputs,
+        tuple(sorted((optim or {}).items())),
+        backend=tuple(sorted((backend or {}).items())),
+    )
 
 
 @dataclass

@@ -555,8 +555,9 @@ def reference_step(
 
     # 8-9
     lengths = [len(s.tokens) for s in seqs]
-    units = same_prompt_units(seqs) if algo.ppo_minibatch_split == "prefixes" else None
-    epochs = [  # the first step (0) of a fresh trainer (its backend packs no trees: auto is flat)
+    split, trees = algo.ppo_minibatch_split, getattr(cfg.backend, "prefix_sharing", False)
+    units = same_prompt_units(seqs) if split == "prefixes" or (split == "auto" and trees) else None
+    epochs = [  # the first step (0) of a fresh trainer
         minibatch_partition(lengths, algo.ppo_n_minibatches, f"{cfg.optim.seed}:0:{e}", units)
         for e in range(algo.ppo_epochs)
     ]

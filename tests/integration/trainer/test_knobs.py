@@ -332,6 +332,12 @@ CASES = [
             and sorted(off.ref.minibatches) != [[0, 2, 4], [1, 3, 5]]
         ),
     ),
+    Case(  # the backend packs trees: auto keeps the groups whole, and the step is the flat one
+        "ppo_minibatch_split-auto-prefix_sharing",
+        setup("shared_prompts", backend={"prefix_sharing": True}, ppo_n_minibatches=2),
+        setup("shared_prompts", ppo_n_minibatches=2),
+        lambda on, off: sorted(on.ref.minibatches) == [[0, 2, 4], [1, 3, 5]],
+    ),
     Case("ppo_epochs-2", setup(ppo_epochs=2), setup(), more_steps),
     Case(
         "ppo_epochs-2-one-minibatch",
