@@ -313,7 +313,7 @@ class Trainer:
                         ),
                     )
                 return
-            await self._commit(done, version, t0)
+            await self._commit(done, version, t0, time.perf_counter() - t0)
 
     async def update(
         self, batch: list[Trajectory], stale_versions: frozenset[int] = frozenset()
@@ -450,7 +450,7 @@ class Trainer:
         cfg, algo = self.cfg, self.algo
         # Each epoch its own split, seeded alike on every rank, so mini-batches mix anew.
         trees = bool(getattr(cfg.backend, "prefix_sharing", False))
-        units = minibatch_units(seqs, algo.ppo_minibatch_split, trees=trees)
+        units = minibatch_units(seqs, algo.ppo_minibatch_split, algo.ppo_n_minibatches, trees=trees)
         lengths = [len(s) for s in seqs]
         epochs = [
             split_minibatches(
@@ -543,15 +543,17 @@ class Trainer:
         self.settled.clear()
         return counts
 
-    async def _commit(self, done: Update, version: int, t0: float) -> None:
+    async def _commit(self, done: Update, version: int, t0: float, update_s: float) -> None:
         """Checkpoint (every `checkpoint_every` steps and at the last), mark the sessions
-        consumed, publish the next version, record the step."""
+        consumed, publish the next version, record the step (with the seconds of its parts:
+        the update's math, the checkpoint, the publish)."""
         cfg, backend, built = self.cfg, self.backend, done.built
         self.step += 1
         step, new_version = self.step, self.version + 1
         used = [t.session.id for t in built.used]
         dropped = _dropped_outcomes(built)
-        saved = None
+        saved, checkpoint_s, publish_s = None, 0.0, 0.0
+        t_checkpoint = time.perf_counter()
         if step % cfg.checkpoint_every == 0 or step >= cfg.max_steps:
             saved = await on_torch_thread(
                 checkpoint.save,
@@ -562,6 +564,7 @@ class Trainer:
                 is_writer=self.is_leader,
                 critic=self.critic if self.algo.use_critic else None,
             )
+            checkpoint_s = time.perf_counter() - t_checkpoint
         self.version = new_version
         if not self.is_leader:
             serve_weight_passes(backend)  # the publisher on rank 0 reads the weights from all
@@ -570,7 +573,9 @@ class Trainer:
             await self.store.mark_consumed(used, owner=self.owner, step=step)
             await self._settle_dropped(built)
             if self.publisher is not None:
+                t_publish = time.perf_counter()
                 self.version = await self.publisher.publish(weights, new_version)
+                publish_s = time.perf_counter() - t_publish
         elapsed = time.perf_counter() - t0
         seqs = done.sequences
         n_tokens = sum(s.num_loss_tokens for s in seqs)
@@ -593,6 +598,9 @@ class Trainer:
                 "tokens": n_tokens,
                 "tokens_per_s": n_tokens / elapsed if elapsed > 0 else 0.0,
                 "step_seconds": elapsed,
+                "update_seconds": update_s,
+                "checkpoint_seconds": checkpoint_s,
+                "publish_seconds": publish_s,
                 **done.stats,
             }
         )

@@ -23,7 +23,6 @@ Planning is a pure function of the sequences, so every data rank can plan every 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -114,19 +113,36 @@ def plan_trees(
     return trees
 
 
-def prefix_units(seqs: Sequence[Tokens], *, min_shared: int = MIN_SHARED) -> list[list[int]]:
-    """The sequences that share a prefix, as `plan_trees` would join them with no token budget:
-    indices, each unit ascending (a GRPO group's answers to one prompt are one unit; a sequence
-    that shares nothing is a unit of its own). PPO mini-batches split by these units keep every
-    tree whole (`AlgorithmConfig.ppo_minibatch_split`)."""
-    trees = plan_trees(seqs, sys.maxsize, min_shared=min_shared)
-    return [sorted(m.seq for m in tree) for tree in trees]
+def prefix_units(
+    seqs: Sequence[Tokens], n: int = 1, *, min_shared: int = MIN_SHARED
+) -> list[list[int]]:
+    """The sequences that share their prompt, at least `n` units of them: indices, each unit
+    ascending, in order of first member. A sequence's prompt is its tokens before its first
+    trained one; sequences whose prompts (of more than `min_shared` tokens) are equal are one
+    unit (a GRPO group's answers; a multi-turn group's episodes, by their first prompt), any other
+    sequence a unit of its own. A common head alone (a chat template's system prompt) joins
+    nothing. While there are fewer than `n` units, the largest (first of the largest) is halved,
+    so PPO keeps its `ppo_n_minibatches` optimizer steps on a batch of few groups. Mini-batches
+    split by these units keep every group's tree whole (`AlgorithmConfig.ppo_minibatch_split`)."""
+    units: dict[tuple[int, ...], list[int]] = {}
+    for i, seq in enumerate(seqs):
+        first_trained = next((t for t, m in enumerate(seq.loss_mask) if m), len(seq.tokens))
+        prompt = tuple(seq.tokens[:first_trained])
+        units.setdefault(prompt if len(prompt) > min_shared else (-1 - i,), []).append(i)
+    out = list(units.values())
+    while len(out) < n and any(len(u) > 1 for u in out):
+        k = max(range(len(out)), key=lambda j: (len(out[j]), -j))
+        half = (len(out[k]) + 1) // 2
+        out[k : k + 1] = [out[k][:half], out[k][half:]]
+    return out
 
 
-def minibatch_units(seqs: Sequence[Tokens], split: str, *, trees: bool) -> list[list[int]] | None:
-    """What PPO's mini-batch split places whole under `AlgorithmConfig.ppo_minibatch_split`
+def minibatch_units(
+    seqs: Sequence[Tokens], split: str, n: int, *, trees: bool
+) -> list[list[int]] | None:
+    """What PPO's `n` mini-batches place whole under `AlgorithmConfig.ppo_minibatch_split`
     (`split`; `trees`: the backend packs prefix-shared trees, which `auto` follows): the
     `prefix_units`, or None for each sequence alone."""
     if split == "prefixes" or (split == "auto" and trees):
-        return prefix_units(seqs)
+        return prefix_units(seqs, n)
     return None

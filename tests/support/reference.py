@@ -324,16 +324,20 @@ def minibatch_partition(
     return [sorted(b) for b in bins]
 
 
-def same_prompt_units(seqs: list[RefSequence], shared: int = 16) -> list[list[int]]:
-    """`ppo_minibatch_split: prefixes` for inputs whose sequences either share a prompt of more
-    than `shared` tokens whole or share nothing: sequences whose first `shared + 1` tokens are
-    equal and untrained, in order of first appearance."""
+def same_prompt_units(seqs: list[RefSequence], n: int, shared: int = 16) -> list[list[int]]:
+    """`ppo_minibatch_split: prefixes`: sequences whose untrained prompts (tokens before the
+    first trained one, more than `shared` of them) are equal, in order of first appearance, any
+    other alone; the largest halved while there are fewer than `n`."""
     units: dict[tuple[int, ...], list[int]] = {}
     for i, s in enumerate(seqs):
-        head = tuple(s.tokens[: shared + 1])
-        untrained = len(s.tokens) > shared + 1 and not bool(s.mask_T[: shared + 1].any())
-        units.setdefault(head if untrained else (-1 - i,), []).append(i)
-    return list(units.values())
+        mask = s.mask_T.tolist()
+        prompt = tuple(s.tokens[: mask.index(True) if True in mask else len(mask)])
+        units.setdefault(prompt if len(prompt) > shared else (-1 - i,), []).append(i)
+    out = list(units.values())
+    while len(out) < n and max(len(u) for u in out) > 1:
+        k = max(range(len(out)), key=lambda j: (len(out[j]), -j))
+        out[k : k + 1] = [out[k][: (len(out[k]) + 1) // 2], out[k][(len(out[k]) + 1) // 2 :]]
+    return out
 
 
 def _aggregate(
@@ -556,7 +560,8 @@ def reference_step(
     # 8-9
     lengths = [len(s.tokens) for s in seqs]
     split, trees = algo.ppo_minibatch_split, getattr(cfg.backend, "prefix_sharing", False)
-    units = same_prompt_units(seqs) if split == "prefixes" or (split == "auto" and trees) else None
+    prefixes = split == "prefixes" or (split == "auto" and trees)
+    units = same_prompt_units(seqs, algo.ppo_n_minibatches) if prefixes else None
     epochs = [  # the first step (0) of a fresh trainer
         minibatch_partition(lengths, algo.ppo_n_minibatches, f"{cfg.optim.seed}:0:{e}", units)
         for e in range(algo.ppo_epochs)

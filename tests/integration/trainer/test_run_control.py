@@ -50,6 +50,10 @@ async def test_pause_resume_stop_drive_the_trainer(tiny_model: Path, tmp_path: P
             assert m["steps"] == [1]
             for name in ("reward_mean", "loss", "staleness_mean", "tokens_per_s", "step_seconds"):
                 assert isinstance(m["series"][name][0], float), name
+            # the step's parts: its math, its checkpoint and its publish, within the whole
+            parts = [m["series"][f"{k}_seconds"][0] for k in ("update", "checkpoint", "publish")]
+            assert all(p > 0 for p in parts)
+            assert sum(parts) <= m["series"]["step_seconds"][0]
             v = (await h.http.get(f"/runs/{run_id}/versions", headers=ADMIN)).json()
             assert v["engine_version"] == 1
             [published] = v["versions"]

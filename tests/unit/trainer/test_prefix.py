@@ -243,9 +243,21 @@ def test_prefix_units_are_the_groups_and_auto_follows_the_backend() -> None:
     seqs = groups(3, 4, 20, (1, 9), seed=3)  # interleaved: sequence i is of group i % 3
     units = [[g + 3 * k for k in range(4)] for g in range(3)]
     assert prefix_units(seqs) == units
-    short = groups(3, 4, MIN_SHARED - 1, (1, 9), seed=3)  # prompts too short to share
+    short = groups(3, 4, MIN_SHARED, (1, 9), seed=3)  # prompts too short to share
     assert prefix_units(short) == [[i] for i in range(12)]
-    assert minibatch_units(seqs, "prefixes", trees=False) == units
-    assert minibatch_units(seqs, "auto", trees=True) == units
-    assert minibatch_units(seqs, "auto", trees=False) is None
-    assert minibatch_units(seqs, "sequences", trees=True) is None
+    # a chat template's system prompt before each group's question joins no groups
+    system = list(range(100, 140))
+    chat = [seq(system + s.tokens, len(system) + 20, seed=i) for i, s in enumerate(seqs)]
+    assert prefix_units(chat) == units
+    assert minibatch_units(seqs, "prefixes", 3, trees=False) == units
+    assert minibatch_units(seqs, "auto", 3, trees=True) == units
+    assert minibatch_units(seqs, "auto", 3, trees=False) is None
+    assert minibatch_units(seqs, "sequences", 3, trees=True) is None
+
+
+def test_few_groups_are_halved_into_as_many_units_as_mini_batches() -> None:
+    seqs = groups(2, 4, 20, (1, 9), seed=4)  # groups [0, 2, 4, 6] and [1, 3, 5, 7]
+    assert prefix_units(seqs, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert prefix_units(seqs, 3) == [[0, 2], [4, 6], [1, 3, 5, 7]]
+    assert prefix_units(seqs, 4) == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert len(prefix_units(seqs, 20)) == 8  # at most one a sequence
