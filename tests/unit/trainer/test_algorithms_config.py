@@ -80,6 +80,7 @@ def test_every_knob_is_overridable() -> None:
         "kl_placement": "reward",
         "entropy_coef": 0.001,
         "ppo_n_minibatches": 2,
+        "ppo_minibatch_split": "prefixes",
         "ppo_epochs": 3,
         "overlong_buffer": 128,
         "overlong_penalty_factor": 0.5,
