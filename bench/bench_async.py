@@ -1,21 +1,26 @@
-"""Asynchronous vs synchronous RL: wall-clock to a fixed number of training steps, eta = 4 vs
-eta = 0, side by side in one run, on a workload with long-tailed generation lengths.
+"""Asynchronous vs synchronous RL: wall-clock to a fixed number of training steps, eta = 0 against
+2, 4 and 8, side by side in one run, on a workload with long-tailed generation lengths, and the
+reward each run reached (a faster run that learns less is no win).
 
-    .venv/bin/python bench/bench_async.py [--steps 8] [--batch 16] [--group 4] [--agents 8]
+    .venv/bin/python bench/bench_async.py [--steps 30] [--etas 0 2 4 8] [--model tiny|smollm2|DIR]
 
-Everything is real and in one process, as `rlgateway serve --train` runs it: agents call the
-gateway (local engine, SQLite store) over ASGI, a grader posts rewards, the trainer (FSDP
-backend, GRPO) claims trajectories under the staleness bound and hot-swaps weights into the
-engine. Each episode asks for a length drawn from a long-tailed distribution (most answers short,
-a few 8-16x longer, forced with ignore_eos), which is what makes synchronous RL wait for its
-slowest rollout. With eta = 0 the gateway admits one batch per policy version; with eta = 4 agents
-keep generating for the next versions while the trainer trains.
+Everything is real, as `rlgateway serve --train` runs it: agents call the gateway (SQLite
+store) over ASGI, the local engine in its own process (`--in-process-engine`: in this one), a
+grader posts rewards, the trainer (FSDP backend, GRPO) claims trajectories under the staleness
+bound and hot-swaps weights into the engine. Each episode asks for a length drawn from a
+long-tailed distribution (most answers short, a few 8-16x longer, forced with ignore_eos), which
+is what makes synchronous RL wait for its slowest rollout. With eta = 0 the gateway admits one
+batch per policy version; with eta > 0 agents keep generating for the next versions while the
+trainer trains. The reward is learnable: the share of the reply's characters that are lowercase
+ASCII letters; the table shows each run's mean reward over its first and its last five steps,
+and how much of the wall-clock the trainer was busy (the rest it waited for a batch).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import shutil
 import statistics
@@ -29,11 +34,25 @@ import httpx
 ADMIN = {"Authorization": "Bearer bench"}
 
 
+def lowercase_share(text: str) -> float:
+    """The reward: the share of `text`'s characters that are lowercase ASCII letters."""
+    return sum("a" <= ch <= "z" for ch in text) / len(text) if text else 0.0
+
+
 async def run_once(
-    eta: int, steps: int, batch: int, group: int, agents: int, seed: int
+    model: Path,
+    eta: int,
+    steps: int,
+    batch: int,
+    group: int,
+    agents: int,
+    seed: int,
+    lr: float,
+    engine_process: bool,
 ) -> dict[str, Any]:
     from engines.local import LocalEngine, LocalEngineConfig
-    from engines.tiny_model import load_tokenizer, tiny_model_dir
+    from engines.process import ProcessEngine
+    from engines.tiny_model import load_tokenizer
     from gateway.deps import Components
     from gateway.settings import GatewaySettings
     from rlgateway.app import create_app
@@ -44,10 +63,10 @@ async def run_once(
     from trainer.publish import LocalPublisher
 
     tmp = Path(tempfile.mkdtemp(prefix=f"bench-async-eta{eta}-"))
-    model = tiny_model_dir()
-    engine = LocalEngine.load(LocalEngineConfig(model=str(model)))
+    config = LocalEngineConfig(model=str(model))
+    engine = ProcessEngine.load(config) if engine_process else LocalEngine.load(config)
     store = await Store.connect(f"sqlite:///{tmp / 'store.db'}")
-    components = Components(engine, store, load_tokenizer(model), engine.eos_token_ids, "tiny")
+    components = Components(engine, store, load_tokenizer(model), engine.eos_token_ids, model.name)
     app = create_app(GatewaySettings(admin_token="bench"), components)
     rng = random.Random(seed)
     run_config = {"eta": eta, "batch_size": batch, "group_size": group}
@@ -62,7 +81,7 @@ async def run_once(
                 cfg = TrainConfig.model_validate({
                     "run": run["id"], "database_url": "sqlite:///unused",
                     "checkpoint_dir": str(tmp / "ckpt"), "tensorboard": False,
-                    "max_steps": steps, "optim": {"lr": 1e-4}, "keep_checkpoints": 1,
+                    "max_steps": steps, "optim": {"lr": lr, "seed": seed}, "keep_checkpoints": 1,
                     **run_config,
                 })  # fmt: skip
                 backend = build_backend(cfg.backend_config(str(model)))
@@ -76,8 +95,10 @@ async def run_once(
                             "max_tokens": length, "ignore_eos": True}  # fmt: skip
                     r = await http.post(f"/sessions/{s['id']}/v1/chat/completions", json=body,
                                         headers=key)  # fmt: skip
-                    generated += r.json()["usage"]["completion_tokens"]
-                    await http.post(f"/sessions/{s['id']}/reward", json={"reward": 1.0},
+                    out = r.json()
+                    generated += out["usage"]["completion_tokens"]
+                    reward = lowercase_share(out["choices"][0]["message"]["content"] or "")
+                    await http.post(f"/sessions/{s['id']}/reward", json={"reward": reward},
                                     headers=key)  # fmt: skip
                     await http.post(f"/sessions/{s['id']}/end", headers=key)
 
@@ -117,33 +138,62 @@ async def run_once(
         "generated": generated,
         "staleness_max": max(r["staleness_max"] for r in rows),
         "staleness_mean": statistics.fmean(r["staleness_mean"] for r in rows),
+        "train_s": sum(r["step_seconds"] for r in rows),
+        "reward_first": statistics.fmean(r["reward_mean"] for r in rows[:5]),
+        "reward_last": statistics.fmean(r["reward_mean"] for r in rows[-5:]),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--etas", type=int, nargs="+", default=[0, 2, 4, 8])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--agents", type=int, default=8, help="concurrent agent loops (one group each)")
+    ap.add_argument("--model", default="tiny", help="tiny (the test model), smollm2 or a directory")
+    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--in-process-engine", action="store_true", help="the engine in this process")
     args = ap.parse_args()
+    from rlgateway.models import resolve_model
+
+    model = resolve_model(args.model, Path.cwd())
     results = [
-        asyncio.run(run_once(eta, args.steps, args.batch, args.group, args.agents, args.seed))
-        for eta in (0, 4)
+        asyncio.run(
+            run_once(
+                model,
+                eta,
+                args.steps,
+                args.batch,
+                args.group,
+                args.agents,
+                args.seed,
+                args.lr,
+                not args.in_process_engine,
+            )
+        )
+        for eta in args.etas
     ]
     print(
         f"\n{args.steps} steps x {args.batch} trajectories (groups of {args.group}), "
-        f"{args.agents} agent loops, lengths 16 (85%) or 128/256 tokens; tiny model, 2 cores\n"
+        f"{args.agents} agent loops, lengths 16 (85%) or 128/256 tokens; model {args.model}, "
+        f"lr {args.lr}, engine {'in this process' if args.in_process_engine else 'in its own'}, "
+        f"{os.cpu_count()} cores\n"
     )
-    print("| eta | wall s | steps/min | tokens generated | staleness max | staleness mean |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| eta | wall s | steps/min | speedup over the first | trainer busy | tokens generated "
+        "| staleness max | staleness mean | reward, first 5 steps | reward, last 5 steps |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base = results[0]["wall"]
     for r in results:
         print(
             f"| {r['eta']} | {r['wall']:.1f} | {60 * args.steps / r['wall']:.1f} | "
-            f"{r['generated']} | {r['staleness_max']} | {r['staleness_mean']:.2f} |"
+            f"{base / r['wall']:.2f}x | {r['train_s'] / r['wall']:.0%} | {r['generated']} | "
+            f"{r['staleness_max']} | "
+            f"{r['staleness_mean']:.2f} | {r['reward_first']:.3f} | {r['reward_last']:.3f} |"
         )
-    print(f"\nspeedup eta=4 over eta=0: {results[0]['wall'] / results[1]['wall']:.2f}x")
 
 
 if __name__ == "__main__":
