@@ -178,7 +178,7 @@ def main() -> None:
     print(
         f"\n{args.steps} steps x {args.batch} trajectories (groups of {args.group}), "
         f"{args.agents} agent loops, lengths 16 (85%) or 128/256 tokens; model {args.model}, "
-        f"lr {args.lr}, engine {'in this process' if args.in_process_engine else 'in its own'}, "
+        f"lr {args.lr}, the engine in {'this' if args.in_process_engine else 'its own'} process, "
         f"{os.cpu_count()} cores\n"
     )
     print(
