@@ -313,7 +313,7 @@ class Trainer:
                         ),
                     )
                 return
-            await self._commit(done, version, t0, time.perf_counter() - t0)
+            await self._commit(done, version, t0)
 
     async def update(
         self, batch: list[Trajectory], stale_versions: frozenset[int] = frozenset()
@@ -543,10 +543,11 @@ class Trainer:
         self.settled.clear()
         return counts
 
-    async def _commit(self, done: Update, version: int, t0: float, update_s: float) -> None:
+    async def _commit(self, done: Update, version: int, t0: float) -> None:
         """Checkpoint (every `checkpoint_every` steps and at the last), mark the sessions
         consumed, publish the next version, record the step (with the seconds of its parts:
         the update's math, the checkpoint, the publish)."""
+        update_s = time.perf_counter() - t0  # the step began at t0 and its update just ended
         cfg, backend, built = self.cfg, self.backend, done.built
         self.step += 1
         step, new_version = self.step, self.version + 1

@@ -55,6 +55,11 @@ class Member:
     """Leading tokens read from the tree's trunk (its first member); 0 for the trunk."""
 
 
+def first_trained(seq: Tokens) -> int:
+    """The index of `seq`'s first trained token (its length if none is): where its prompt ends."""
+    return next((t for t, m in enumerate(seq.loss_mask) if m), len(seq.tokens))
+
+
 def shareable(trunk: Tokens, seq: Tokens) -> int:
     """How many leading tokens of `seq` can be read from `trunk`'s positions (module docstring):
     its first `shared + 1` tokens equal the trunk's, its tokens 1..shared untrained and, where
@@ -62,8 +67,7 @@ def shareable(trunk: Tokens, seq: Tokens) -> int:
     a, b = trunk.tokens, seq.tokens
     if not a or not b or a[0] != b[0]:
         return 0
-    first_trained = next((t for t, m in enumerate(seq.loss_mask) if m), len(b))
-    limit = min(len(a), len(b), first_trained) - 1
+    limit = min(len(a), len(b), first_trained(seq)) - 1
     ta, tb = trunk.temperatures, seq.temperatures
     s = 0  # tokens 0..s are equal, and tokens 1..s untrained and alike in temperature
     while (
@@ -126,8 +130,7 @@ def prefix_units(
     split by these units keep every group's tree whole (`AlgorithmConfig.ppo_minibatch_split`)."""
     units: dict[tuple[int, ...], list[int]] = {}
     for i, seq in enumerate(seqs):
-        first_trained = next((t for t, m in enumerate(seq.loss_mask) if m), len(seq.tokens))
-        prompt = tuple(seq.tokens[:first_trained])
+        prompt = tuple(seq.tokens[: first_trained(seq)])
         units.setdefault(prompt if len(prompt) > min_shared else (-1 - i,), []).append(i)
     out = list(units.values())
     while len(out) < n and any(len(u) > 1 for u in out):
