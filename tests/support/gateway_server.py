@@ -171,11 +171,33 @@ def serve(
         assert "Traceback" not in log, log[-4000:]
 
 
+_PORTS = (20000, 32768)
+"""Where test servers listen: below the kernel's ephemeral range (32768-60999 here), which hands
+the same port to whoever asks next once it is free again, so a port picked by `bind(0)` in one
+pytest worker could be picked again by another before the first server bound it (CI once saw a
+test's health check answered by another worker's gateway). Each worker takes its own slice."""
+_next_port: dict[str, int] = {}
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
+    """A port no server of this test run is given twice at once: the next free one in this
+    pytest-xdist worker's own slice of `_PORTS` (free = bindable on 127.0.0.1 now)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker.removeprefix("gw") or 0)
+    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+    size = (_PORTS[1] - _PORTS[0]) // workers
+    low = _PORTS[0] + index * size
+    start = _next_port.get(worker, low)
+    for step in range(size):
+        port = low + (start - low + step) % size
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _next_port[worker] = low + (port - low + 1) % size
         return port
+    raise RuntimeError(f"no free port in {low}..{low + size - 1}")
 
 
 def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> None:

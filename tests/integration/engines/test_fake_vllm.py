@@ -12,7 +12,6 @@ pause and the rest of the engine contract are checked on every engine in
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from engines.base import FinishReason, GenerateRequest, SamplingParams, WeightUp
 from engines.vllm import VLLMEngine, VLLMEngineConfig
 from tests.support.fake_sglang import run_fake_sglang
 from tests.support.fake_vllm import FakeServer, run_fake_vllm, weights_digest
+from tests.support.gateway_server import free_port as _free_port
 from tests.support.perturb import perturbed_dir
 
 pytestmark = pytest.mark.slow
@@ -80,13 +80,6 @@ def teacher_forced(model_dir: Path, tokens: Sequence[int], temperature: float) -
 
 async def connect(url: str) -> VLLMEngine:
     return await VLLMEngine.connect(VLLMEngineConfig(url=url))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # -- generation through the adapter -------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from engines.base import (
 from engines.errors import WeightUpdateError
 from engines.sglang import SGLangEngine, SGLangEngineConfig
 from tests.support.fake_sglang import FakeServer, run_fake_sglang
+from tests.support.gateway_server import free_port as _free_port
 from tests.support.perturb import perturbed_dir
 
 pytestmark = pytest.mark.slow
@@ -138,13 +138,6 @@ async def test_an_in_process_state_dict_is_served(
         "generation_config.json",
         "model.safetensors",
     ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def test_weights_over_a_process_group(tiny_model: Path, trained_dir: Path) -> None:

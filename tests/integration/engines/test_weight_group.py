@@ -33,7 +33,6 @@ from engines.base import (
     collect,
 )
 from engines.errors import EngineUnavailableError, WeightUpdateError
-from engines.launch import free_port as _free_port
 from engines.router import Router
 from engines.sglang import SGLangEngine, SGLangEngineConfig
 from engines.vllm import VLLMEngine, VLLMEngineConfig
@@ -41,6 +40,7 @@ from rlgateway.build import build_publisher
 from tests.support.deployment import drive, run_config
 from tests.support.fake_sglang import FakeServer, run_fake_sglang, weights_digest
 from tests.support.fake_vllm import run_fake_vllm
+from tests.support.gateway_server import free_port as _free_port
 from tests.support.gateway_server import run_gateway
 from tests.support.live_weights import CountedWeights, LiveBucket
 from tests.support.perturb import perturbed, perturbed_dir

@@ -4,7 +4,6 @@ connections are retried until `retry_seconds`, every other error is raised at on
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,15 +14,10 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from tests.support.gateway_server import free_port
 from tests.support.live_weights import CountedWeights, LiveBucket
 from trainer.publish import DiskPublisher, GatewayAdmin
 from trainer.weights import StateDictWeights
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Flaky:
