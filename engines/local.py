@@ -37,6 +37,9 @@ class LocalEngineConfig:
     """Sequences decoded together; more wait for a free slot."""
     max_model_len: int | None = None
     """Context length (prompt + output); None uses the model's max_position_embeddings."""
+    max_prefill_tokens: int = 1024
+    """Prompt tokens one step prefills at most (a longer prompt alone): the rest wait for the
+    next step, so live sequences decode and weight updates land between the parts of a burst."""
     version: int = 0
     """The policy version of the model's weights: tokens sampled before the first weight update
     carry it, and updates must be newer (`engines.policy.served_version` reads an export's)."""
@@ -52,6 +55,7 @@ class LocalEngine:
             model_dir=config.model,
             max_batch=config.max_batch,
             max_model_len=config.max_model_len or int(model.config.max_position_embeddings),
+            max_prefill_tokens=config.max_prefill_tokens,
             version=config.version,
             eos_token_ids=eos_token_ids,
         )

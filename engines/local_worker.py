@@ -3,10 +3,13 @@
 Each iteration it (1) applies aborts, (2) applies pending weight updates, (3) unless paused,
 prefills newly arrived requests into free KV slots and samples their first token, and (4) runs one
 batched decode step over every live sequence. Requests therefore join and leave between decode
-steps. Torch releases the GIL inside its kernels, so a caller's event loop keeps running while a
-step computes. Its API is synchronous and thread-safe (`submit`, `abort_now`, `set_paused`,
-`submit_update`, `health_now`, `close_now`): `engines.local.LocalEngine` puts asyncio in front
-of it, `engines.process_main` a pipe.
+steps. A step admits waiting requests in arrival order up to `max_prefill_tokens` prompt tokens
+(at least one request), as SGLang's `--max-prefill-tokens` does: a burst of long prompts is
+prefilled over several steps, each followed by a decode step of the live sequences and open to a
+weight update, instead of all of it holding both back. Torch releases the GIL inside its
+kernels, so a caller's event loop keeps running while a step computes. Its API is synchronous and
+thread-safe (`submit`, `abort_now`, `set_paused`, `submit_update`, `health_now`, `close_now`):
+`engines.local.LocalEngine` puts asyncio in front of it, `engines.process_main` a pipe.
 
 Weight swaps happen between steps. After a swap the KV cache of every live sequence is recomputed
 under the new weights, so every token sampled after the swap carries the new version *and* its
@@ -76,6 +79,10 @@ class EngineStats:
     max_decode_batch: int = 0
     prefills: int = 0
     prefill_tokens: int = 0
+    prefill_steps: int = 0
+    """Steps that admitted (and prefilled) new requests."""
+    max_step_prefill_tokens: int = 0
+    """The most prompt tokens one step admitted."""
     weight_updates: int = 0
 
     @property
@@ -144,9 +151,11 @@ class LocalWorker:
         max_model_len: int,
         version: int,
         eos_token_ids: frozenset[int],
+        max_prefill_tokens: int = 1024,
     ) -> None:
         self.model = model
         self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
         self.max_model_len = max_model_len
         self.runner = SlotModel(model, max_slots=max_batch, max_model_len=max_model_len)
         self.eos_token_ids = eos_token_ids
@@ -288,7 +297,8 @@ class LocalWorker:
                     admitted: list[_Seq] = []
                     if not self._paused:
                         free = self.max_batch - len(self._running)
-                        admitted, self._waiting = self._waiting[:free], self._waiting[free:]
+                        n = _admitted(self._waiting[:free], self.max_prefill_tokens)
+                        admitted, self._waiting = self._waiting[:n], self._waiting[n:]
                 with self._step_lock:
                     self._guarded_step(aborts, dropped, updates, admitted)
         except BaseException as exc:
@@ -358,6 +368,10 @@ class LocalWorker:
         self._compact()
         for upd in updates:
             self._apply_update(upd)
+        if admitted:
+            tokens = sum(len(seq.tokens) for seq in admitted)
+            self.stats.prefill_steps += 1
+            self.stats.max_step_prefill_tokens = max(self.stats.max_step_prefill_tokens, tokens)
         for group in _prefill_groups(admitted, PREFILL_TOKEN_BUDGET):
             self._prefill(group, out)
         self._compact()
@@ -595,6 +609,18 @@ class LocalWorker:
         with self._cv:
             self._live.clear()
         out.flush()
+
+
+def _admitted(waiting: list[_Seq], max_tokens: int) -> int:
+    """How many of `waiting` (in arrival order) one step admits: as many as fit `max_tokens`
+    prompt tokens together, and the first one always (a prompt longer than the budget is
+    prefilled alone rather than never)."""
+    total = 0
+    for n, seq in enumerate(waiting):
+        total += len(seq.tokens)
+        if total > max_tokens and n > 0:
+            return n
+    return len(waiting)
 
 
 PREFILL_TOKEN_BUDGET = 8192

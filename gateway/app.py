@@ -66,6 +66,7 @@ async def load_components(settings: GatewaySettings) -> Components:
         model=str(model_dir),
         device=settings.device,
         max_batch=settings.max_batch,
+        max_prefill_tokens=settings.max_prefill_tokens,
         max_model_len=settings.max_model_len,
         version=served_version(model_dir, settings.policy_version),
     )

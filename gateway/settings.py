@@ -28,6 +28,9 @@ class GatewaySettings(BaseSettings):
     """cpu or cuda for the local engine; default: cuda when present."""
     max_batch: int = Field(64, ge=1)
     """Sequences the local engine decodes together."""
+    max_prefill_tokens: int = Field(1024, ge=1)
+    """Prompt tokens the local engine prefills in one step at most (a longer prompt alone);
+    the rest of a burst waits a step, so live sequences decode and weight updates land between."""
     engine_process: bool = True
     """Run the local engine in a process of its own (its own GIL: the gateway's Python work does
     not slow its decode steps); false keeps it in the gateway's process."""

@@ -101,6 +101,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     serve.add_argument("--max-batch", type=int, help="sequences decoded together (default 64)")
     serve.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        help="prompt tokens the local engine prefills per step (default 1024; a longer one alone)",
+    )
+    serve.add_argument(
         "--in-process-engine",
         action="store_true",
         help="run the local engine in the gateway's process (default: a process of its own)",

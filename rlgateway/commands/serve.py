@@ -32,6 +32,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "public_url": args.public_url,
             "device": args.device,
             "max_batch": args.max_batch,
+            "max_prefill_tokens": args.max_prefill_tokens,
             "engine_process": False if args.in_process_engine else None,
             "engine_threads": args.engine_threads,
             "engine": args.engine,

@@ -6,6 +6,8 @@ swaps) is checked on each in `tests/integration/engines/test_engine_contract.py`
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from engines.base import (
     GenerateRequest,
     GenerateResult,
     SamplingParams,
+    TokenChunk,
     WeightUpdate,
     collect,
 )
@@ -29,7 +32,7 @@ from engines.errors import (
     TokenOutOfRangeError,
     WeightUpdateError,
 )
-from engines.local import LocalEngine
+from engines.local import LocalEngine, LocalEngineConfig
 from tests.support.local_engine import (
     PROMPTS,
     check_parity,
@@ -155,6 +158,59 @@ async def test_concurrent_requests_share_decode_steps(engine: LocalEngine) -> No
     # every decode step served all 16 sequences: n * (length - 1) tokens in length - 1 steps
     assert stats.decode_steps == length - 1
     assert stats.decode_tokens == n * (length - 1)
+
+
+class _Recorder:
+    """A worker consumer that keeps each request's chunks and, when the first chunks arrive (on
+    the worker thread, between two steps), submits `update`."""
+
+    def __init__(self, worker: Any, update: WeightUpdate, n: int) -> None:
+        self.worker, self.update, self.n = worker, update, n
+        self.chunks: dict[str, list[TokenChunk]] = defaultdict(list)
+        self.finished = threading.Event()
+        self.future: Any = None
+
+    def deliver(self, items: list[tuple[str, Any]]) -> None:
+        for request_id, item in items:
+            assert isinstance(item, TokenChunk), item
+            self.chunks[request_id].append(item)
+        if self.future is None:
+            self.future = self.worker.submit_update(self.update)
+        ended = [c for c in self.chunks.values() if c[-1].finish_reason is not None]
+        if len(ended) == self.n:
+            self.finished.set()
+
+
+@pytest.mark.parametrize(
+    ("budget", "steps", "most"), [(10_000, 1, 8 * 77), (160, 4, 154), (10, 8, 77)]
+)
+async def test_a_burst_is_prefilled_over_steps_within_the_prefill_budget(
+    tiny_model: Path, reference: Any, budget: int, steps: int, most: int
+) -> None:
+    """`max_prefill_tokens` bounds the prompt tokens one step admits (a longer prompt alone). The
+    live sequences decode between the parts of a burst, and a weight update submitted after the
+    first part lands before the next: the requests admitted after it start on the new weights."""
+    engine = LocalEngine.load(LocalEngineConfig(model=str(tiny_model), max_prefill_tokens=budget))
+    try:
+        worker = engine.worker
+        recorder = _Recorder(worker, WeightUpdate(state_dict=perturbed(reference, 0.05)), n=8)
+        requests = [req(PROMPTS[3], seed=i, max_new_tokens=4, ignore_eos=True) for i in range(8)]
+        assert len(PROMPTS[3]) == 77
+        worker.set_paused(True)
+        for request in requests:
+            worker.submit(request, recorder)
+        worker.set_paused(False)
+        assert await asyncio.to_thread(recorder.finished.wait, 60)
+        assert recorder.future.result(timeout=60) == 1
+        stats = engine.stats
+        assert (stats.prefill_steps, stats.max_step_prefill_tokens) == (steps, most)
+        # a part admitted at step k decodes at steps k, k+1 and k+2
+        assert stats.decode_steps == steps + 2
+        first_versions = [recorder.chunks[r.request_id][0].versions[0] for r in requests]
+        part = 8 // steps
+        assert first_versions == [0] * part + [1] * (8 - part)
+    finally:
+        await engine.close()
 
 
 async def test_a_stream_interval_batches_chunks_and_changes_no_token(

@@ -114,3 +114,10 @@ def test_generate_unknown_model_dir_says_how_to_build_one(
 ) -> None:
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "rlgateway model tiny" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_engine_setting_before_loading_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["serve", "--max-prefill-tokens", "0"]) == 2
+    assert "bad setting: max_prefill_tokens" in capsys.readouterr().err
