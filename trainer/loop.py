@@ -449,8 +449,9 @@ class Trainer:
         the critic) each; the LR schedule advances once, after the last."""
         cfg, algo = self.cfg, self.algo
         # Each epoch its own split, seeded alike on every rank, so mini-batches mix anew.
-        trees = bool(getattr(cfg.backend, "prefix_sharing", False))
-        units = minibatch_units(seqs, algo.ppo_minibatch_split, algo.ppo_n_minibatches, trees=trees)
+        units = minibatch_units(
+            seqs, algo.ppo_minibatch_split, algo.ppo_n_minibatches, trees=cfg.backend.packs_trees
+        )
         lengths = [len(s) for s in seqs]
         epochs = [
             split_minibatches(

@@ -160,6 +160,11 @@ class _BackendSpec(BaseModel):
     def __str__(self) -> str:
         return str(self.allocation)
 
+    @property
+    def packs_trees(self) -> bool:
+        """Whether this backend packs prefix-shared trees (`FSDPSpec.prefix_sharing`)."""
+        return False
+
     def check_run(self, optim: OptimizerSettings, *, use_critic: bool, algorithm: str) -> None:
         """ValueError where this backend cannot train under the run's other settings."""
 
@@ -194,6 +199,10 @@ class FSDPSpec(_HFBackendSpec):
     def _check_prefix_sharing(self) -> FSDPSpec:
         check_prefix_sharing(self.allocation, self.attention, self.prefix_sharing)
         return self
+
+    @property
+    def packs_trees(self) -> bool:
+        return self.prefix_sharing
 
 
 class ArchonSpec(_HFBackendSpec):
