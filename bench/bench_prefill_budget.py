@@ -37,7 +37,7 @@ from typing import Any
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", help="smollm2 or a model directory (default: the tiny test model)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[1024, 4096, 1_000_000])
+    p.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048, 4096, 1_000_000])
     p.add_argument("--live", type=int, default=8, help="requests decoding when the burst comes")
     p.add_argument("--burst", type=int, default=32, help="requests in the burst")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt tokens of each")

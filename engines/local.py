@@ -37,7 +37,7 @@ class LocalEngineConfig:
     """Sequences decoded together; more wait for a free slot."""
     max_model_len: int | None = None
     """Context length (prompt + output); None uses the model's max_position_embeddings."""
-    max_prefill_tokens: int = 1024
+    max_prefill_tokens: int = 512
     """Prompt tokens one step prefills at most (a longer prompt alone): the rest wait for the
     next step, so live sequences decode and weight updates land between the parts of a burst."""
     version: int = 0

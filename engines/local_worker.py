@@ -11,9 +11,11 @@ kernels, so a caller's event loop keeps running while a step computes. Its API i
 thread-safe (`submit`, `abort_now`, `set_paused`, `submit_update`, `health_now`, `close_now`):
 `engines.local.LocalEngine` puts asyncio in front of it, `engines.process_main` a pipe.
 
-Weight swaps happen between steps. After a swap the KV cache of every live sequence is recomputed
-under the new weights, so every token sampled after the swap carries the new version *and* its
-logprob is exactly the new policy's (a teacher-forced pass with the new weights reproduces it).
+Weight swaps happen between steps. After a swap every live sequence goes back to the head of the
+queue and is prefilled again, whole, under the new weights (its old KV cache dropped), within the
+steps' prefill budget like new prompts: so every token sampled after the swap carries the new
+version *and* its logprob is exactly the new policy's (a teacher-forced pass with the new weights
+reproduces it), and a swap waits only for the step in progress, not for the recompute.
 
 Each step's output goes to its consumers in one call per consumer (`Consumer.deliver`).
 
@@ -35,6 +37,7 @@ import logging
 import secrets
 import threading
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -151,7 +154,7 @@ class LocalWorker:
         max_model_len: int,
         version: int,
         eos_token_ids: frozenset[int],
-        max_prefill_tokens: int = 1024,
+        max_prefill_tokens: int = 512,
     ) -> None:
         self.model = model
         self.max_batch = max_batch
@@ -366,8 +369,11 @@ class LocalWorker:
             if seq.request.request_id in aborts:
                 self._finish(seq, FinishReason.ABORT, out)
         self._compact()
+        version = self._version
         for upd in updates:
             self._apply_update(upd)
+        if self._version != version and self._running:
+            admitted = self._requeue_live(admitted)
         if admitted:
             tokens = sum(len(seq.tokens) for seq in admitted)
             self.stats.prefill_steps += 1
@@ -385,6 +391,22 @@ class LocalWorker:
             self.stats.max_decode_batch = max(self.stats.max_decode_batch, len(batch))
             self._sample(batch, logits_BV, out)
             self._compact()
+
+    def _requeue_live(self, admitted: list[_Seq]) -> list[_Seq]:
+        """After a weight swap: every live sequence goes back to the head of the queue, ahead of
+        this step's admissions, to be prefilled again whole (the KV cache of the old weights is
+        dropped, as AReaL's interruptible rollout does) and sample its next token under the new
+        weights; then this step admits from the head within the prefill budget. So a publish
+        waits for the step in progress and the copy, not for the recompute of every history,
+        which is spread over the next steps like a burst of new prompts."""
+        live, self._running = self._running, []
+        for seq in live:
+            seq.slot = -1
+        with self._cv:
+            queue = [*live, *admitted, *self._waiting]
+            n = 0 if self._paused else _admitted(queue[: self.max_batch], self.max_prefill_tokens)
+            admitted, self._waiting = queue[:n], queue[n:]
+        return admitted
 
     def _prefill(self, group: list[_Seq], out: _Outbox) -> None:
         """Prefill `group` into the next free slots and sample each one's first token. A forward
@@ -572,13 +594,7 @@ class LocalWorker:
             upd.future.set_exception(exc)
             return
         try:
-            known = self.model.state_dict()
-            with torch.no_grad():
-                for name, tensor in state.items():
-                    known[name].copy_(tensor)
-            # Recompute the cache of every live sequence under the new weights.
-            for seq in self._running:
-                self.runner.prefill(seq.slot, seq.tokens[:-1])
+            self._copy_in(state)
         except Exception as exc:
             upd.future.set_exception(
                 EngineUnavailableError(f"the engine failed while swapping in the weights: {exc!r}")
@@ -587,6 +603,12 @@ class LocalWorker:
         self._version = version
         self.stats.weight_updates += 1
         upd.future.set_result(version)
+
+    def _copy_in(self, state: Mapping[str, torch.Tensor]) -> None:
+        known = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in state.items():
+                known[name].copy_(tensor)
 
     def _shutdown(self) -> None:
         with self._cv:

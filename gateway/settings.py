@@ -28,7 +28,7 @@ class GatewaySettings(BaseSettings):
     """cpu or cuda for the local engine; default: cuda when present."""
     max_batch: int = Field(64, ge=1)
     """Sequences the local engine decodes together."""
-    max_prefill_tokens: int = Field(1024, ge=1)
+    max_prefill_tokens: int = Field(512, ge=1)
     """Prompt tokens the local engine prefills in one step at most (a longer prompt alone);
     the rest of a burst waits a step, so live sequences decode and weight updates land between."""
     engine_process: bool = True

@@ -103,7 +103,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve.add_argument(
         "--max-prefill-tokens",
         type=int,
-        help="prompt tokens the local engine prefills per step (default 1024; a longer one alone)",
+        help="prompt tokens the local engine prefills per step (default 512; a longer one alone)",
     )
     serve.add_argument(
         "--in-process-engine",

@@ -141,7 +141,7 @@ def test_the_models_eos_ids_stop_generation(shared_engine: LocalEngine, tiny_mod
 
 async def test_concurrent_requests_share_decode_steps(engine: LocalEngine) -> None:
     await engine.pause()
-    n, length = 16, 32
+    n, length = 12, 32  # 12 of PROMPTS: 399 tokens, within one step's prefill budget
     tasks = [
         asyncio.create_task(
             collect(engine, req(PROMPTS[i % 4], seed=i, max_new_tokens=length, ignore_eos=True))
@@ -155,7 +155,7 @@ async def test_concurrent_requests_share_decode_steps(engine: LocalEngine) -> No
     assert all(len(r.token_ids) == length for r in results)
     stats = engine.stats
     assert stats.max_decode_batch == n
-    # every decode step served all 16 sequences: n * (length - 1) tokens in length - 1 steps
+    # every decode step served all 12 sequences: n * (length - 1) tokens in length - 1 steps
     assert stats.decode_steps == length - 1
     assert stats.decode_tokens == n * (length - 1)
 
@@ -182,14 +182,24 @@ class _Recorder:
 
 
 @pytest.mark.parametrize(
-    ("budget", "steps", "most"), [(10_000, 1, 8 * 77), (160, 4, 154), (10, 8, 77)]
+    ("budget", "first_part", "prefill_steps", "most", "decode_steps"),
+    [(10_000, 8, 2, 8 * 79, 2), (160, 2, 5, 2 * 79, 7), (10, 1, 9, 79, 11)],
 )
 async def test_a_burst_is_prefilled_over_steps_within_the_prefill_budget(
-    tiny_model: Path, reference: Any, budget: int, steps: int, most: int
+    tiny_model: Path,
+    reference: Any,
+    budget: int,
+    first_part: int,
+    prefill_steps: int,
+    most: int,
+    decode_steps: int,
 ) -> None:
-    """`max_prefill_tokens` bounds the prompt tokens one step admits (a longer prompt alone). The
-    live sequences decode between the parts of a burst, and a weight update submitted after the
-    first part lands before the next: the requests admitted after it start on the new weights."""
+    """`max_prefill_tokens` bounds the prompt tokens one step prefills (a longer prompt alone),
+    and the live sequences decode between the parts of a burst. A weight update submitted after
+    the first step lands before the second: the live sequences (2 tokens each by then) go back
+    to the head of the queue and are prefilled again, whole (77 + 2 tokens), within the same
+    budget, so every token after the update, theirs and the rest of the burst's, is the new
+    version's."""
     engine = LocalEngine.load(LocalEngineConfig(model=str(tiny_model), max_prefill_tokens=budget))
     try:
         worker = engine.worker
@@ -203,12 +213,12 @@ async def test_a_burst_is_prefilled_over_steps_within_the_prefill_budget(
         assert await asyncio.to_thread(recorder.finished.wait, 60)
         assert recorder.future.result(timeout=60) == 1
         stats = engine.stats
-        assert (stats.prefill_steps, stats.max_step_prefill_tokens) == (steps, most)
-        # a part admitted at step k decodes at steps k, k+1 and k+2
-        assert stats.decode_steps == steps + 2
-        first_versions = [recorder.chunks[r.request_id][0].versions[0] for r in requests]
-        part = 8 // steps
-        assert first_versions == [0] * part + [1] * (8 - part)
+        assert (stats.prefill_steps, stats.max_step_prefill_tokens) == (prefill_steps, most)
+        assert stats.decode_steps == decode_steps
+        versions = [
+            [v for c in recorder.chunks[r.request_id] for v in c.versions] for r in requests
+        ]
+        assert versions == [[0, 0, 1, 1]] * first_part + [[1, 1, 1, 1]] * (8 - first_part)
     finally:
         await engine.close()
 

@@ -5,6 +5,7 @@ weight updates are checked whole before anything is swapped (the old weights kee
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -188,10 +189,13 @@ async def test_a_swap_that_fails_half_way_stops_the_engine_rather_than_serve_mix
     while engine.stats.decode_steps < 2:
         await asyncio.sleep(0.005)
 
-    def failing_prefill(*args: Any) -> torch.Tensor:
-        raise RuntimeError("injected fault while recomputing the cache")
+    def failing_copy(state: Mapping[str, torch.Tensor]) -> None:
+        name, tensor = next(iter(state.items()))
+        with torch.no_grad():
+            engine.model.state_dict()[name].copy_(tensor)  # the first tensor is in
+        raise RuntimeError("injected fault while copying the weights")
 
-    monkeypatch.setattr(engine.runner, "prefill", failing_prefill)
+    monkeypatch.setattr(engine.worker, "_copy_in", failing_copy)
     with pytest.raises(EngineUnavailableError, match="swapping in the weights"):
         await engine.update_weights(WeightUpdate(state_dict=perturbed(reference, 0.05)))
     with pytest.raises(EngineUnavailableError):
