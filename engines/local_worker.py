@@ -324,7 +324,13 @@ class LocalWorker:
             raise
         except Exception as exc:
             self._failed_steps += 1
-            seqs = {id(s): s for s in [*dropped, *admitted, *self._running] if not s.done}
+            with self._cv:  # a swap may have put some of `admitted` back: the step did not run them
+                queued = {id(s) for s in self._waiting}
+            seqs = {
+                id(s): s
+                for s in [*dropped, *admitted, *self._running]
+                if not s.done and id(s) not in queued
+            }
             log.exception(
                 "an engine step failed (%d in a row); its %d sequences fail",
                 self._failed_steps,

@@ -5,6 +5,7 @@ weight updates are checked whole before anything is swapped (the old weights kee
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from engines.base import (
+    TokenChunk,
     WeightUpdate,
     collect,
 )
@@ -23,7 +25,7 @@ from engines.errors import (
     WeightUpdateError,
 )
 from engines.limits import MAX_POLICY_VERSION
-from engines.local import LocalEngine
+from engines.local import LocalEngine, LocalEngineConfig
 from engines.local_worker import MAX_FAILED_STEPS
 from tests.support.local_engine import (
     PROMPTS,
@@ -204,3 +206,51 @@ async def test_a_swap_that_fails_half_way_stops_the_engine_rather_than_serve_mix
     assert not health.ok
     assert "half-way" in health.detail
     assert engine.version() == 0
+
+
+async def test_a_step_fault_after_a_swap_fails_only_the_sequences_that_step_ran(
+    tiny_model: Path, reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A swap puts the live sequence back at the head of the queue and, within a budget of one
+    prompt, the request admitted beside it goes back to waiting. The step's decode then fails:
+    the live sequence (which that step ran) fails; the waiting request was not part of the step,
+    so it is served afterwards, whole, on the new weights."""
+    engine = LocalEngine.load(LocalEngineConfig(model=str(tiny_model), max_prefill_tokens=10))
+    items: dict[str, list[Any]] = {"a": [], "b": []}
+    finished = threading.Event()
+    late = req(PROMPTS[3], seed=2, max_new_tokens=3, ignore_eos=True)
+    update = WeightUpdate(state_dict=perturbed(reference, 0.05))
+    real_decode = engine.runner.decode
+    decodes = [0]
+    sent: list[bool] = []
+
+    def decode(*args: Any) -> Any:
+        decodes[0] += 1
+        if decodes[0] == 2:  # the step that swapped and re-queued
+            raise RuntimeError("injected fault in a decode step")
+        return real_decode(*args)
+
+    class Both:
+        def deliver(self, got: list[tuple[str, Any]]) -> None:
+            for request_id, item in got:
+                items["a" if request_id == first.request_id else "b"].append(item)
+            if not sent:  # after the first step: a new request and a swap arrive
+                sent.append(True)
+                engine.worker.submit(late, self)
+                engine.worker.submit_update(update)
+            if items["b"] and (
+                isinstance(items["b"][-1], BaseException) or items["b"][-1].finish_reason
+            ):
+                finished.set()
+
+    monkeypatch.setattr(engine.runner, "decode", decode)
+    first = req(PROMPTS[3], seed=1, max_new_tokens=50, ignore_eos=True)
+    try:
+        engine.worker.submit(first, Both())
+        assert await asyncio.to_thread(finished.wait, 60)
+        assert isinstance(items["a"][-1], RequestFailedError)
+        assert all(isinstance(c, TokenChunk) for c in items["b"]), items["b"]
+        assert [v for c in items["b"] for v in c.versions] == [1, 1, 1]
+        assert (await engine.health()).ok
+    finally:
+        await engine.close()
