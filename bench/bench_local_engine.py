@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip-hf-seq", action="store_true", help="leave out the one-at-a-time HF baseline"
     )
     p.add_argument("--seed", type=int, default=0, help="tiny model weights seed")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and activations of the engine, HF and vLLM alike",
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per method and row")
@@ -197,7 +203,7 @@ def vllm_server(args: argparse.Namespace, model_dir: Path) -> Iterator[str | Non
     if vllm_python() is None:
         raise SystemExit("--start-vllm: no vLLM found (see tests/support/vllm_server.py)")
     print(f"starting vLLM on {model_dir} ...", file=sys.stderr, flush=True)
-    with start_vllm_server(model_dir) as url:
+    with start_vllm_server(model_dir, dtype=args.dtype) as url:
         yield url.rstrip("/")
 
 
@@ -225,10 +231,14 @@ def main(argv: list[str] | None = None) -> None:
 
     with asyncio.Runner() as runner, contextlib.ExitStack() as stack:
         url = stack.enter_context(vllm_server(args, model_dir))
-        hf: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        hf: Any = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=getattr(torch, args.dtype)
+        )
         hf.eval()
         engine = LocalEngine.load(
-            LocalEngineConfig(model=str(model_dir), device="cpu", max_batch=top)
+            LocalEngineConfig(
+                model=str(model_dir), device="cpu", dtype=args.dtype, max_batch=top
+            )
         )
         stack.callback(lambda: runner.run(engine.close()))
         methods: dict[str, Callable[[list[list[int]]], int]] = {
@@ -302,7 +312,7 @@ def print_report(
     print(
         f"tok/s: {args.stat} of {args.repeats} runs; ratios: "
         f"{'median of the per-run ratios' if args.stat == 'median' else 'best over best'}; "
-        f"model {args.model or 'tiny-' + args.model_size} (float32), "
+        f"model {args.model or 'tiny-' + args.model_size} ({args.dtype}), "
         f"{args.max_tokens} new tokens per request, prompts 20-60 tokens, temperature 1."
     )
     print(

@@ -615,6 +615,7 @@ class LocalWorker:
         with torch.no_grad():
             for name, tensor in state.items():
                 known[name].copy_(tensor)
+        self.runner.repack()
 
     def _shutdown(self) -> None:
         with self._cv:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engines.packed_linear import FusedLinear, gated_mlp, packing_available
+
 KVWriter = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """Writes one layer's new keys/values [B, K, T, D] to the cache; returns all cached [B, K, L, D]."""
 
@@ -66,10 +68,45 @@ class SlotModel:
         self.max_model_len = max_model_len
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # Attention and the KV cache run in float32 on a CPU whatever the weights' dtype: torch's
+        # CPU attention is several times slower in bfloat16 than in float32 (BENCHMARKS.md), and
+        # float32 is the more exact. On CUDA they stay in the model's dtype.
+        self.cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        self.packed = packing_available(self.device, self.dtype)
+        self._qkv: list[FusedLinear] = []
+        self._o: list[FusedLinear] = []
+        self._mlp: list[tuple[FusedLinear, FusedLinear, Any] | None] = []
+        for layer in self.inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self._qkv.append(self._fused(attn.q_proj, attn.k_proj, attn.v_proj))
+            self._o.append(self._fused(attn.o_proj))
+            dense = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            self._mlp.append(
+                (self._fused(mlp.gate_proj, mlp.up_proj), self._fused(mlp.down_proj), mlp.act_fn)
+                if dense
+                else None  # a sparse MoE block runs as the model's own module
+            )
+        self._lm_head = self._fused(model.lm_head)
         self.capacity = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self._ensure_capacity(min(256, max_model_len))
+
+    def _fused(self, *modules: Any) -> FusedLinear:
+        return FusedLinear(modules, packed=self.packed, batch_hint=self.max_slots)
+
+    def repack(self) -> None:
+        """Make the packed copies of the weights again: call after changing the model's weights."""
+        for fused in [*self._qkv, *self._o, self._lm_head]:
+            fused.repack()
+        for mlp in self._mlp:
+            if mlp is not None:
+                mlp[0].repack()
+                mlp[1].repack()
+
+    def _logits(self, x_BE: torch.Tensor) -> torch.Tensor:
+        (logits_BV,) = self._lm_head(self.inner.norm(x_BE))
+        return logits_BV.float()
 
     # -- buffers -----------------------------------------------------------------------------
 
@@ -84,8 +121,12 @@ class SlotModel:
         assert cap >= length, f"length {length} exceeds max_model_len {self.max_model_len}"
         shape = (self.max_slots, self.num_kv_heads, cap, self.head_dim)
         layers = len(self.inner.layers)
-        new_k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(layers)]
-        new_v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(layers)]
+        new_k = [
+            torch.zeros(shape, device=self.device, dtype=self.cache_dtype) for _ in range(layers)
+        ]
+        new_v = [
+            torch.zeros(shape, device=self.device, dtype=self.cache_dtype) for _ in range(layers)
+        ]
         for old, new in zip(self.k + self.v, new_k + new_v, strict=False):
             new[:, :, : self.capacity].copy_(old)
         self.k, self.v, self.capacity = new_k, new_v, cap
@@ -103,6 +144,7 @@ class SlotModel:
 
     def _layer(
         self,
+        li: int,
         layer: Any,
         x_BTE: torch.Tensor,
         cos_BTD: torch.Tensor,
@@ -113,20 +155,22 @@ class SlotModel:
         attn = layer.self_attn
         B, T, _ = x_BTE.shape
         h = layer.input_layernorm(x_BTE)
-        q = attn.q_proj(h).view(B, T, -1, self.head_dim)
-        k = attn.k_proj(h).view(B, T, -1, self.head_dim)
-        v = attn.v_proj(h).view(B, T, -1, self.head_dim)
+        q, k, v = (t.view(B, T, -1, self.head_dim) for t in self._qkv[li](h))
         if getattr(attn, "q_norm", None) is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q_BHTD = _rope(q.transpose(1, 2), cos_BTD, sin_BTD)
+        cd = self.cache_dtype
+        q_BHTD = _rope(q.transpose(1, 2).to(cd), cos_BTD, sin_BTD)
         keys_BKLD, values_BKLD = cache(
-            _rope(k.transpose(1, 2), cos_BTD, sin_BTD), v.transpose(1, 2)
+            _rope(k.transpose(1, 2).to(cd), cos_BTD, sin_BTD), v.transpose(1, 2).to(cd)
         )
         out_BHTD = F.scaled_dot_product_attention(
             q_BHTD, keys_BKLD, values_BKLD, attn_mask=mask, scale=attn.scaling, enable_gqa=True
         )
-        x_BTE = x_BTE + attn.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1))
-        mlp_BTE: torch.Tensor = layer.mlp(layer.post_attention_layernorm(x_BTE))
+        (o_BTE,) = self._o[li](out_BHTD.transpose(1, 2).reshape(B, T, -1).to(self.dtype))
+        x_BTE = x_BTE + o_BTE
+        h = layer.post_attention_layernorm(x_BTE)
+        mlp = self._mlp[li]
+        mlp_BTE: torch.Tensor = layer.mlp(h) if mlp is None else gated_mlp(*mlp, h)
         return x_BTE + mlp_BTE
 
     @torch.inference_mode()
@@ -138,7 +182,9 @@ class SlotModel:
         self._ensure_capacity(end)
         dev = self.device
         x = self.inner.embed_tokens(torch.tensor([token_ids], device=dev))
-        cos, sin = self.inner.rotary_emb(x, torch.arange(start, end, device=dev)[None])
+        cos, sin = self.inner.rotary_emb(
+            x.to(self.cache_dtype), torch.arange(start, end, device=dev)[None]
+        )
         q_pos_T = torch.arange(start, end, device=dev)
         mask_TL = torch.arange(end, device=dev)[None, :] <= q_pos_T[:, None]
         for li, layer in enumerate(self.inner.layers):
@@ -151,9 +197,8 @@ class SlotModel:
                 vb[slot, :, start:end] = v[0]
                 return kb[slot : slot + 1, :, :end], vb[slot : slot + 1, :, :end]
 
-            x = self._layer(layer, x, cos, sin, mask_TL, cache)
-        logits_V: torch.Tensor = self.model.lm_head(self.inner.norm(x[:, -1]))[0].float()
-        return logits_V
+            x = self._layer(li, layer, x, cos, sin, mask_TL, cache)
+        return self._logits(x[:, -1])[0]
 
     @torch.inference_mode()
     def prefill_batch(self, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
@@ -172,7 +217,7 @@ class SlotModel:
             ids_BT[b, : len(p)] = torch.tensor(p, device=dev)
         pos_T = torch.arange(T, device=dev)
         x = self.inner.embed_tokens(ids_BT)
-        cos, sin = self.inner.rotary_emb(x, pos_T[None].expand(B, T))
+        cos, sin = self.inner.rotary_emb(x.to(self.cache_dtype), pos_T[None].expand(B, T))
         causal_TT = pos_T[None, :] <= pos_T[:, None]
         valid_BT = pos_T[None, :] < lens_B[:, None]
         mask_B1TT = (causal_TT[None] & valid_BT[:, None, :])[:, None]
@@ -187,10 +232,9 @@ class SlotModel:
                 vb[rows, :, :T] = v
                 return k, v
 
-            x = self._layer(layer, x, cos, sin, mask_B1TT, cache)
+            x = self._layer(li, layer, x, cos, sin, mask_B1TT, cache)
         last_BE = x[torch.arange(B, device=dev), lens_B - 1]
-        logits_BV: torch.Tensor = self.model.lm_head(self.inner.norm(last_BE)).float()
-        return logits_BV
+        return self._logits(last_BE)
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
@@ -202,7 +246,7 @@ class SlotModel:
         pos_B = torch.tensor(positions, device=dev)
         rows_B = torch.arange(B, device=dev)
         x = self.inner.embed_tokens(torch.tensor(token_ids, device=dev)[:, None])
-        cos, sin = self.inner.rotary_emb(x, pos_B[:, None])
+        cos, sin = self.inner.rotary_emb(x.to(self.cache_dtype), pos_B[:, None])
         mask_B11L = (torch.arange(L, device=dev)[None, :] <= pos_B[:, None])[:, None, None]
         for li, layer in enumerate(self.inner.layers):
             kb, vb = self.k[li], self.v[li]
@@ -214,6 +258,5 @@ class SlotModel:
                 vb[rows_B, :, pos_B] = v[:, :, 0]
                 return kb[:B, :, :L], vb[:B, :, :L]
 
-            x = self._layer(layer, x, cos, sin, mask_B11L, cache)
-        logits_BV: torch.Tensor = self.model.lm_head(self.inner.norm(x[:, 0])).float()
-        return logits_BV
+            x = self._layer(li, layer, x, cos, sin, mask_B11L, cache)
+        return self._logits(x[:, 0])

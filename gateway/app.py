@@ -65,6 +65,7 @@ async def load_components(settings: GatewaySettings) -> Components:
     config = LocalEngineConfig(
         model=str(model_dir),
         device=settings.device,
+        dtype=settings.dtype,
         max_batch=settings.max_batch,
         max_prefill_tokens=settings.max_prefill_tokens,
         max_model_len=settings.max_model_len,

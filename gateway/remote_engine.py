@@ -52,6 +52,7 @@ async def connect_engine(settings: GatewaySettings, model_dir: Path, vocab_size:
         "model": str(model_dir),
         "served_model_name": settings.served_model_name or model_dir.name,
         "max_model_len": settings.max_model_len,
+        "dtype": settings.dtype,
     }
     server: SupervisedServer
     connect: Callable[[str], Awaitable[VLLMEngine | SGLangEngine]]

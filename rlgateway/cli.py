@@ -99,6 +99,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve.add_argument("--served-model-name", help="the name /v1/models reports")
     serve.add_argument("--public-url", help="how agents reach this gateway (for session base_urls)")
     serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    serve.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the engine's weights and activations (default auto: float32 on a CPU, bfloat16 on "
+        "CUDA; a launched vLLM/SGLang server's own)",
+    )
     serve.add_argument("--max-batch", type=int, help="sequences decoded together (default 64)")
     serve.add_argument(
         "--max-prefill-tokens",

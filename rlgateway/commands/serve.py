@@ -31,6 +31,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "served_model_name": args.served_model_name,
             "public_url": args.public_url,
             "device": args.device,
+            "dtype": args.dtype,
             "max_batch": args.max_batch,
             "max_prefill_tokens": args.max_prefill_tokens,
             "engine_process": False if args.in_process_engine else None,

@@ -42,10 +42,13 @@ needs_vllm = pytest.mark.skipif(
 
 @contextmanager
 def start_vllm_server(
-    model_dir: str | Path, extra_args: Sequence[str] = (), timeout: float = 600
+    model_dir: str | Path,
+    extra_args: Sequence[str] = (),
+    timeout: float = 600,
+    dtype: str = "float32",
 ) -> Iterator[str]:
-    """Serves `model_dir` as model "tiny" on 127.0.0.1 (float32, max length 2048) and yields the
-    base URL (no `/v1`); stops it and its engine process on exit."""
+    """Serves `model_dir` as model "tiny" on 127.0.0.1 (in `dtype`, max length 2048) and yields
+    the base URL (no `/v1`); stops it and its engine process on exit."""
     from engines.vllm_launch import VLLMLaunchConfig, VLLMServer, default_vllm_python
 
     python = vllm_python()
@@ -58,7 +61,7 @@ def start_vllm_server(
         model=str(model_dir),
         python=python,
         served_model_name=SERVED_MODEL_NAME,
-        dtype="float32",
+        dtype=dtype,
         max_model_len=2048,
         extra_args=tuple(extra_args),
     )
