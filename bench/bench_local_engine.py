@@ -236,9 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         hf.eval()
         engine = LocalEngine.load(
-            LocalEngineConfig(
-                model=str(model_dir), device="cpu", dtype=args.dtype, max_batch=top
-            )
+            LocalEngineConfig(model=str(model_dir), device="cpu", dtype=args.dtype, max_batch=top)
         )
         stack.callback(lambda: runner.run(engine.close()))
         methods: dict[str, Callable[[list[list[int]]], int]] = {

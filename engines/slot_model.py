@@ -48,7 +48,18 @@ def _rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) ->
 class SlotModel:
     """Prefill and batched decode of a HF causal LM over slot-owned KV buffers."""
 
-    def __init__(self, model: Any, *, max_slots: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_slots: int,
+        max_model_len: int,
+        packed: bool | None = None,
+        cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        """`packed`: run the projections on prepacked weights (`engines.packed_linear`; None:
+        wherever oneDNN runs them). `cache_dtype`: the attention's and the KV cache's (None:
+        float32 on a CPU, the model's dtype elsewhere)."""
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -71,8 +82,10 @@ class SlotModel:
         # Attention and the KV cache run in float32 on a CPU whatever the weights' dtype: torch's
         # CPU attention is several times slower in bfloat16 than in float32 (BENCHMARKS.md), and
         # float32 is the more exact. On CUDA they stay in the model's dtype.
-        self.cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        self.packed = packing_available(self.device, self.dtype)
+        if cache_dtype is None:
+            cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        self.cache_dtype = cache_dtype
+        self.packed = packing_available(self.device, self.dtype) if packed is None else packed
         self._qkv: list[FusedLinear] = []
         self._o: list[FusedLinear] = []
         self._mlp: list[tuple[FusedLinear, FusedLinear, Any] | None] = []

@@ -47,10 +47,12 @@ def _ref_logits(model: Any, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama", "qwen3_moe"])
-def test_prefill_extend_and_batched_decode_match_the_model(kind: str) -> None:
+def test_prefill_extend_and_batched_decode_match_the_model(kind: str, packed: bool) -> None:
     model = _model(kind)
-    runner = SlotModel(model, max_slots=4, max_model_len=256)
+    runner = SlotModel(model, max_slots=4, max_model_len=256, packed=packed)
+    assert runner.packed is packed
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (6, 11, 40)]
     for slot, seq in enumerate(seqs):
@@ -85,6 +87,23 @@ def test_batched_prefill_of_uneven_prompts_matches_the_model(kind: str) -> None:
     for b, seq in enumerate(seqs):
         full = (seq[:-1] or seq) + [seq[-1]]
         assert torch.allclose(logits[2 + b], _ref_logits(model, full)[-1], atol=1e-5)
+
+
+def test_packed_weights_are_made_again_after_the_model_changes() -> None:
+    model = _model("qwen2")
+    runner = SlotModel(model, max_slots=2, max_model_len=64)
+    assert runner.packed, "oneDNN runs on this CPU: the engine packs its weights"
+    seq = list(range(1, 20))
+    before = runner.prefill(0, seq)
+    with torch.no_grad():  # every projection changes; norms and embeddings stay
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.mul_(1.5)
+    assert torch.equal(runner.prefill(0, seq), before)  # the packed copies are the old weights
+    runner.repack()
+    after = runner.prefill(0, seq)
+    assert torch.allclose(after, _ref_logits(model, seq)[-1], atol=1e-4)
+    assert not torch.allclose(after, before, atol=1e-2)
 
 
 def test_buffers_grow_and_slots_move() -> None:

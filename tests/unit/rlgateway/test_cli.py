@@ -121,3 +121,25 @@ def test_serve_refuses_a_bad_engine_setting_before_loading_anything(
 ) -> None:
     assert main(["serve", "--max-prefill-tokens", "0"]) == 2
     assert "bad setting: max_prefill_tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "dtype"), [([], "auto"), (["--dtype", "bfloat16"], "bfloat16")])
+def test_serve_dtype_reaches_the_gateway_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flag: list[str], dtype: str
+) -> None:
+    import uvicorn
+
+    import rlgateway.app
+
+    seen: list[object] = []
+    monkeypatch.setattr(rlgateway.app, "create_app", lambda settings, **_: seen.append(settings))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    assert main(["serve", "--database-url", db, "--admin-token", "t", *flag]) == 0
+    assert [getattr(s, "dtype", None) for s in seen] == [dtype]
+
+
+def test_serve_refuses_an_unknown_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--dtype", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
