@@ -5,14 +5,18 @@ cancels that timer; a connection that never completes its request head is never 
 client trickling header bytes can so hold a connection (and, repeated, every file descriptor)
 forever. `header_deadline(seconds)` is uvicorn's HTTP protocol with a deadline on every request
 head: from the moment the connection opens or a response completes, the next request's headers
-must be complete within `seconds`, or the connection is closed.
+must be complete within `seconds`, or the connection is closed. `EmbeddedServer` is uvicorn's
+server for a program that serves the gateway as one of its parts and keeps its signals.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Generator
 from typing import Any
 
+import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 
@@ -50,3 +54,16 @@ def header_deadline(seconds: float) -> type[asyncio.Protocol]:
                 self.transport.close()  # no request head within the deadline
 
     return HeaderDeadline
+
+
+class EmbeddedServer(uvicorn.Server):
+    """A uvicorn server inside a program that owns its signals (`rlgateway run`, the demo).
+
+    `uvicorn.Server.serve` takes SIGINT and SIGTERM for itself: Ctrl-C would shut the gateway
+    down while the program's rollouts and trainer go on against it, and reach the program only
+    after the server stopped. This server leaves signals alone; the program stops it (setting
+    `should_exit`) as it stops everything else."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield

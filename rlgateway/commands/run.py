@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from rlgateway.errors import CLIError
 
@@ -29,5 +30,13 @@ def run_experiment(args: argparse.Namespace) -> int:
         summary = exp.run()
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
+    except KeyboardInterrupt:
+        print(
+            f"experiment {exp.spec.name}: interrupted; its checkpoints and store are in "
+            f"{exp.out}: run the same command again to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 130
     print(json.dumps(summary, indent=2))
     return 0

@@ -103,6 +103,7 @@ async def run_demo(o: DemoOptions) -> dict[str, Any]:
     import uvicorn
 
     from gateway.app import load_components
+    from gateway.serving import EmbeddedServer
     from gateway.settings import GatewaySettings
     from rlgateway.app import create_app
     from rlgateway.embedded import EmbeddedTrainer
@@ -132,7 +133,7 @@ async def run_demo(o: DemoOptions) -> dict[str, Any]:
         run_config |= cfg.model_dump(mode="json", exclude={"run", "database_url"})
     run = await c.store.create_run("demo" if o.train else "demo (no training)", run_config)
     progress = Progress(window=o.group_size * o.groups_per_step)
-    server = uvicorn.Server(
+    server = EmbeddedServer(
         uvicorn.Config(
             create_app(settings, components=c),
             log_level="warning",

@@ -100,6 +100,7 @@ class LocalDeployment:
         import uvicorn
 
         from gateway.app import load_components
+        from gateway.serving import EmbeddedServer
         from gateway.settings import GatewaySettings
         from rlgateway.app import create_app
         from rlgateway.embedded import EmbeddedTrainer
@@ -128,7 +129,7 @@ class LocalDeployment:
                 state["eval_run_id"] = (await c.store.create_run(f"{name} (eval)", {})).id
                 _save_state(out, state)
             self.run_id, self.eval_run_id = state["run_id"], state["eval_run_id"]
-            self._server = uvicorn.Server(
+            self._server = EmbeddedServer(
                 uvicorn.Config(
                     create_app(settings, components=c),
                     log_level="warning",

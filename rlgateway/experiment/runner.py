@@ -278,6 +278,7 @@ class Experiment:
         every = spec.eval.every
         next_eval = (dep.trained_step() // every + 1) * every if every else None
         seen = rollouts.tally.episodes
+        interrupted = False
         try:
             while True:
                 for row in await dep.poll():
@@ -304,11 +305,25 @@ class Experiment:
                 if any(w.done() and w.exception() is not None for w in workers):
                     break
                 await asyncio.sleep(MONITOR_SECONDS)
+        except asyncio.CancelledError:
+            # Ctrl-C (asyncio.run cancels this task): stop at once. The episodes in flight stay
+            # open, and the next run ends them as failed and hands their rows out again, as it
+            # does after a kill -9 (`resume_plan`).
+            interrupted = True
+            raise
         finally:
             stop.set()
+            if interrupted:
+                for task in [*workers, evaluating]:
+                    if task is not None:
+                        task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             if evaluating is not None:
-                await evaluating
+                await (
+                    asyncio.gather(evaluating, return_exceptions=True)
+                    if interrupted
+                    else evaluating
+                )
         for w in workers:
             if w.exception() is not None:
                 raise w.exception()  # type: ignore[misc]

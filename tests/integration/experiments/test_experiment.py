@@ -292,13 +292,16 @@ STEPS = 5
 """The killed run's steps: each after the first is another moment to kill it in."""
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill-9", "ctrl-c"])
 def test_a_killed_run_resumes_with_every_session_ended_and_no_row_answered_twice(
-    tmp_path: Path,
+    tmp_path: Path, sig: signal.Signals
 ) -> None:
-    """`kill -9` on `rlgateway run` (gateway, trainer and rollouts in one process) as its first
-    step lands, with episodes and an evaluation in flight; run again: the episodes the kill cut
-    short are ended as failed (both runs: training and evaluation), no row is answered twice, the
-    rows answered are a prefix of the stream, and the run reaches its steps."""
+    """`kill -9`, or Ctrl-C (SIGINT to the process group, as a terminal sends it), on `rlgateway
+    run` (gateway, trainer and rollouts in one process) as its first step lands, with episodes
+    and an evaluation in flight. Ctrl-C stops it at once (exit 130, no traceback: what is in
+    flight is left as a kill leaves it). Run again: the episodes cut short are ended as failed
+    (both runs: training and evaluation), no row is answered twice, the rows answered are a
+    prefix of the stream, and the run reaches its steps."""
     rows = [{"q": f"question {i}", "mode": "ok"} for i in range(5)]
     spec = write_spec(
         tmp_path / "spec",
@@ -335,11 +338,18 @@ def test_a_killed_run_resumes_with_every_session_ended_and_no_row_answered_twice
                 break
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+        os.killpg(proc.pid, sig)
+        if sig == signal.SIGINT and proc.stdout is not None:
+            seen.append(proc.stdout.read())  # to its end: the process exits
+        rc = proc.wait(timeout=60)
         if proc.stdout is not None:
             proc.stdout.close()
     assert any(x.startswith("step    1") for x in seen), "".join(seen)[-3000:]
+    if sig == signal.SIGINT:
+        said = "".join(seen)
+        assert rc == 130, said[-3000:]
+        assert "interrupted; its checkpoints and store are in" in said
+        assert "Traceback" not in said, said[-3000:]
     assert all(open_sessions(out, run) for run in runs), "the kill cut nothing short"
     before = answered_rows(out)
 
