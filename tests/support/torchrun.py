@@ -15,7 +15,7 @@ from typing import NoReturn
 
 import torch
 
-from engines.launch import free_port
+from tests.support.gateway_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

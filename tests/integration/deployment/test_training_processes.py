@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engines.launch import free_port
 from engines.tiny_model import tiny_model_dir
 from tests.support.deployment import STEPS, drive, run_config
-from tests.support.gateway_server import run_gateway
+from tests.support.gateway_server import free_port, run_gateway
 from tests.support.torchrun import ROOT
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,8 @@ from engines.base import (
     collect,
 )
 from engines.vllm import VLLMEngine, VLLMEngineConfig
-from engines.vllm_launch import VLLMLaunchConfig, VLLMServer, free_port
+from engines.vllm_launch import VLLMLaunchConfig, VLLMServer
+from tests.support.gateway_server import free_port
 from tests.support.paths import REPO_ROOT
 from tests.support.perturb import perturbed_dir
 from tests.support.vllm_server import vllm_python

@@ -206,9 +206,10 @@ def test_trainer_under_torchrun_with_two_processes(
     over 2), or the MoE backend with the experts split over the two ranks on the tiny Qwen3-MoE
     (its policy and critic, with the router's balance loss weighted in)."""
     import os
-    import socket
     import subprocess
     import sys
+
+    from tests.support.gateway_server import free_port
 
     moe = backend.startswith("archon")
     if moe:
@@ -227,9 +228,7 @@ def test_trainer_under_torchrun_with_two_processes(
         eta=steps,
         backend=section,
     )
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
