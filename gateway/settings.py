@@ -30,7 +30,7 @@ class GatewaySettings(BaseSettings):
     """The engine's weights, KV cache and activations: the local engine's (auto: float32 on a CPU,
     bfloat16 on CUDA) or a launched vLLM/SGLang server's (`--dtype`, auto: theirs). Logprobs
     are taken in float32 from the logits either way. On a CPU with AVX512-BF16 or AMX, bfloat16
-    decodes up to 1.6x as fast as float32 (BENCHMARKS.md) with behaviour logprobs 0.03-0.05 off
+    decodes 1.2-1.5x as fast as float32 (BENCHMARKS.md) with behaviour logprobs 0.03-0.05 off
     the float32 ones on average (SmolLM2), which the trainer recomputes in its own dtype."""
     max_batch: int = Field(64, ge=1)
     """Sequences the local engine decodes together."""
