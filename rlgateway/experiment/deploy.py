@@ -94,9 +94,17 @@ class LocalDeployment:
 
     @classmethod
     async def start(
-        cls, cfg: TrainConfig, *, name: str, model_dir: Path, out: Path, served_model_name: str
+        cls,
+        cfg: TrainConfig,
+        *,
+        name: str,
+        model_dir: Path,
+        out: Path,
+        served_model_name: str,
+        engine: dict[str, Any] | None = None,
     ) -> LocalDeployment:
-        """`cfg` without `run` and the store: they are this deployment's."""
+        """`cfg` without `run` and the store: they are this deployment's. `engine`: gateway
+        settings of its local engine (`EngineSpec.settings`)."""
         import uvicorn
 
         from gateway.app import load_components
@@ -117,6 +125,7 @@ class LocalDeployment:
             host="127.0.0.1",
             port=sock.getsockname()[1],
             served_model_name=served_model_name,
+            **(engine or {}),
         )
         assert settings.admin_token is not None
         self.served_model_name = served_model_name

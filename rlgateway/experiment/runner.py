@@ -131,6 +131,12 @@ class Experiment:
     def prepare(self) -> Parts:
         """Load and check every part; a user's mistake is a ValueError saying what to fix."""
         spec = self.spec
+        if self.gateway_url is not None and spec.engine.settings():
+            raise ValueError(
+                f"engine: {', '.join(sorted(spec.engine.settings()))} set the embedded "
+                "gateway's engine; the gateway at --gateway-url has its own (set them on its "
+                "`rlgateway serve`)"
+            )
         splits = load(spec.dataset, base_dir=self.base_dir)
         fn = resolve_reward(self.reward or spec.reward.fn, base_dir=self.base_dir)
         reward = RewardRunner(
@@ -192,6 +198,7 @@ class Experiment:
                 model_dir=parts.model_dir,
                 out=self.out,
                 served_model_name=spec.served_model_name,
+                engine=spec.engine.settings(),
             )
         if not self.admin_token:
             raise ValueError(
