@@ -63,21 +63,14 @@ class FusedLinear:
         if not self.packed:
             return
         with torch.no_grad():
-            w = torch.cat([m.weight for m in self.modules]) if len(self.modules) > 1 else None
-            w = self.modules[0].weight if w is None else w
-            biases = [m.bias for m in self.modules]
-            if all(b is None for b in biases):
-                self.bias = None
-            else:
+            w = torch.cat([m.weight for m in self.modules])  # a copy even of one: freed below
+            self.bias = None
+            if any(m.bias is not None for m in self.modules):
                 self.bias = torch.cat(
-                    [
-                        torch.zeros(m.out_features, dtype=w.dtype, device=w.device)
-                        if b is None
-                        else b.detach()
-                        for m, b in zip(self.modules, biases, strict=True)
-                    ]
-                )
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.batch_hint)
+                    [torch.zeros(m.out_features, dtype=w.dtype) if m.bias is None else m.bias
+                     for m in self.modules]
+                )  # fmt: skip
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(w, self.batch_hint)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.weight is None:

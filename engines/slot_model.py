@@ -100,6 +100,8 @@ class SlotModel:
                 else None  # a sparse MoE block runs as the model's own module
             )
         self._lm_head = self._fused(model.lm_head)
+        self._all_fused = [*self._qkv, *self._o, self._lm_head]
+        self._all_fused += [f for mlp in self._mlp if mlp is not None for f in mlp[:2]]
         self.capacity = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -110,12 +112,8 @@ class SlotModel:
 
     def repack(self) -> None:
         """Make the packed copies of the weights again: call after changing the model's weights."""
-        for fused in [*self._qkv, *self._o, self._lm_head]:
+        for fused in self._all_fused:
             fused.repack()
-        for mlp in self._mlp:
-            if mlp is not None:
-                mlp[0].repack()
-                mlp[1].repack()
 
     def _logits(self, x_BE: torch.Tensor) -> torch.Tensor:
         (logits_BV,) = self._lm_head(self.inner.norm(x_BE))

@@ -7,6 +7,9 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
+"""The engine dtypes `rlgateway serve --dtype` and an experiment's `engine.dtype` take."""
+
 
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RLGATEWAY_", extra="ignore")
@@ -26,7 +29,7 @@ class GatewaySettings(BaseSettings):
     """How agents reach this gateway (for the base_url of new sessions); default http://host:port."""
     device: str | None = None
     """cpu or cuda for the local engine; default: cuda when present."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: EngineDtype = "auto"
     """The engine's weights, KV cache and activations: the local engine's (auto: float32 on a CPU,
     bfloat16 on CUDA) or a launched vLLM/SGLang server's (`--dtype`, auto: theirs). Logprobs
     are taken in float32 from the logits either way. On a CPU with AVX512-BF16 or AMX, bfloat16

@@ -131,9 +131,10 @@ class Experiment:
     def prepare(self) -> Parts:
         """Load and check every part; a user's mistake is a ValueError saying what to fix."""
         spec = self.spec
-        if self.gateway_url is not None and spec.engine.settings():
+        engine = spec.engine.settings()
+        if self.gateway_url is not None and engine:
             raise ValueError(
-                f"engine: {', '.join(sorted(spec.engine.settings()))} set the embedded "
+                f"engine: {', '.join(sorted(engine))} set the embedded "
                 "gateway's engine; the gateway at --gateway-url has its own (set them on its "
                 "`rlgateway serve`)"
             )

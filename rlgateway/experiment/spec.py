@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.settings import EngineDtype
 from rlgateway.experiment.dataset import DatasetSpec
 from trainer.config import apply_overrides, describe_error, read_yaml_mapping
 
@@ -96,7 +97,7 @@ class EngineSpec(_Spec):
     """The embedded gateway's local engine, as `rlgateway serve`'s flags of the same names set
     it; unset keeps the gateway's default. A deployment given by `--gateway-url` has its own."""
 
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    dtype: EngineDtype | None = None
     """auto: float32 on a CPU, bfloat16 on CUDA; bfloat16 on a CPU decodes 1.2-1.5x faster."""
     max_batch: int | None = Field(None, ge=1)
     """Sequences decoded together."""
