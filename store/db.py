@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+import asyncpg
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
@@ -223,6 +224,23 @@ class Database:
         assert self._write_lock is not None
         async with self._write_lock:
             return await asyncio.shield(self._sqlite_writer.run(fn))
+
+    @asynccontextmanager
+    async def pg_connection(self) -> AsyncIterator[asyncpg.Connection]:
+        """PostgreSQL only: the asyncpg connection under one of the pool's connections, for the
+        hot paths written against the driver (`store.turns_pg`). Each statement on it commits on
+        its own unless it is run inside `connection.transaction()`."""
+        assert self.dialect == "postgresql", "an asyncpg connection exists on PostgreSQL only"
+        async with self.write_engine.connect() as conn:
+            raw = await conn.get_raw_connection()
+            yield raw.driver_connection
+
+    @asynccontextmanager
+    async def pg_transaction(self) -> AsyncIterator[asyncpg.Connection]:
+        """`pg_connection()` in one transaction: committed if the block succeeds, rolled back if
+        it raises."""
+        async with self.pg_connection() as conn, conn.transaction():
+            yield conn
 
     @property
     def sync_engines(self) -> list[Engine]:

@@ -5,22 +5,20 @@ that finish in the same decode step (64 of them, say) would queue for 64 fsyncs;
 them side by side, but each still pays its statements and its commit (BENCHMARKS.md, "Store":
 grouped, 16 writers commit 1.3-1.5x more there, 1.65x more on SQLite). Here the first
 caller starts a drain task; every caller that arrives while a transaction is running joins the
-next one, and the whole group is written by one set-based `write_records` call (a handful of
-statements, not a handful per caller). If that fails, the group is retried with a SAVEPOINT per
-caller, so one caller's failure (an ended session, a conflict) rolls back only its records and is
-raised to that caller alone; the others commit together. A caller returns only after the
-transaction holding its records committed.
+next one, and the whole group is written as one batch (`store.turns.write_batch`: a handful
+of set-based statements, not a handful per caller). If that fails, the group is retried with a
+SAVEPOINT per caller, so one caller's failure (an ended session, a conflict) rolls back only its
+records and is raised to that caller alone; the others commit together. A caller returns only
+after the transaction holding its records committed.
 """
 
 from __future__ import annotations
 
 import asyncio
-from functools import partial
-
-from sqlalchemy.engine import Connection
 
 from store.db import Database
-from store.turns import check_records, write_records
+from store.turn_plan import check_records
+from store.turns import write_batch, write_isolated
 from store.types import CompletionRecord
 
 _Job = tuple[list[CompletionRecord], asyncio.Future[None]]
@@ -58,9 +56,9 @@ class GroupCommitter:
             jobs, self._pending = self._pending, []
             group = [r for records, _ in jobs for r in records]
             try:  # the common case: everything commits, without a savepoint per caller
-                await self.db.write_sync(partial(write_records, records=group))
+                await write_batch(self.db, group)
             except Exception:
-                errors = await self._isolated(jobs)
+                errors = await write_isolated(self.db, [records for records, _ in jobs])
             else:
                 errors = [None] * len(jobs)
             for (_, future), error in zip(jobs, errors, strict=True):
@@ -70,21 +68,3 @@ class GroupCommitter:
                     future.set_result(None)
                 else:
                     future.set_exception(error)
-
-    async def _isolated(self, jobs: list[_Job]) -> list[BaseException | None]:
-        """Retry a failed group with a SAVEPOINT per caller, so only the failing ones fail."""
-        errors: list[BaseException | None] = [None] * len(jobs)
-
-        def each_in_a_savepoint(s: Connection) -> None:
-            for i, (records, _) in enumerate(jobs):
-                try:
-                    with s.begin_nested():
-                        write_records(s, records)
-                except Exception as exc:  # this caller's failure, isolated
-                    errors[i] = exc
-
-        try:
-            await self.db.write_sync(each_in_a_savepoint)
-        except BaseException as exc:  # the transaction itself failed: everyone hears it
-            errors = [e or exc for e in errors]
-        return errors

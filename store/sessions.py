@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, cast
 
+import asyncpg
 from sqlalchemy import (
     ColumnElement,
     Connection,
@@ -27,6 +28,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from store import sessions_pg
 from store.db import Database, new_id, utcnow
 from store.errors import ConflictError, NotFoundError
 from store.tables import RewardRow, RunRow, SessionRow
@@ -169,7 +171,13 @@ async def create_sessions(
         return NotFoundError(f"no run {run_id!r}: create the run before its sessions")
 
     try:
-        await db.write_sync(write)
+        if admit is None and db.dialect == "postgresql":
+            async with db.pg_connection() as conn:
+                await sessions_pg.insert_sessions(conn, rows)
+        else:
+            await db.write_sync(write)
+    except asyncpg.ForeignKeyViolationError as exc:
+        raise run_not_found() from exc
     except IntegrityError as exc:  # without admission, the run's foreign key is the check
         async with db.read() as s:
             if await s.get(RunRow, run_id) is None:
@@ -251,6 +259,12 @@ async def session_for_key(db: Database, api_key: str) -> SessionInfo | None:
 
 async def end_session(db: Database, session_id: str, *, failure: str | None = None) -> SessionInfo:
     """See `Store.end_session`."""
+    if failure is None and db.dialect == "postgresql":
+        async with db.pg_connection() as conn:
+            columns = await sessions_pg.end_session(conn, session_id, utcnow())
+        if columns is None:
+            raise session_not_found(session_id)
+        return info_from_columns(columns)
     if failure is None:
         return await db.write_sync(partial(_end, session_id=session_id))
     reason = _stored_failure(failure)

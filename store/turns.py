@@ -15,108 +15,89 @@ group commit of 64 single-turn requests costs six statements and the commit, as 
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, Table, bindparam, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
-from store.arrays import decode_i32, encode_f32, encode_i32
+from store import turns_pg
+from store.arrays import decode_i32
 from store.db import Database, utcnow
-from store.errors import ConflictError, NotFoundError, SessionEndedError
 from store.sessions import session_not_found
 from store.tables import CompletionRow, SegmentRow, SessionRow
+from store.turn_plan import (
+    ClaimedSession,
+    ReplacedTurn,
+    StoredSegment,
+    TurnReads,
+    check_records,
+    opened_segment_ids,
+    plan_writes,
+    replaced_ids,
+    session_ids,
+)
 from store.types import JSON, CompletionRecord, KeptTurn, LastTurn, SegmentState, TurnStatus
-
-
-def _check(record: CompletionRecord) -> None:
-    n = len(record.output_ids)
-    if len(record.logprobs) != n or len(record.versions) != n:
-        raise ValueError(
-            f"completion {record.id!r}: output_ids, logprobs and versions must share one length "
-            f"(got {n}, {len(record.logprobs)}, {len(record.versions)})"
-        )
-    if not 0 <= record.prefix_len <= len(record.prompt_ids):
-        raise ValueError(
-            f"completion {record.id!r}: prefix_len {record.prefix_len} must lie in "
-            f"[0, len(prompt_ids) = {len(record.prompt_ids)}]"
-        )
-    if record.segment_index < 0:
-        raise ValueError(f"completion {record.id!r}: segment_index must be >= 0")
-    if record.replaces is not None and record.opens_segment:
-        raise ValueError(f"completion {record.id!r}: a turn that opens a segment replaces none")
-
-
-@dataclass(slots=True)
-class _Segment:
-    id: str
-    session_id: str
-    position: int
-    stored_length: int | None
-    """The length in the database before this batch; None for a segment this batch opens."""
-    length: int
-    transcript: JSON
-
-
-def check_records(records: list[CompletionRecord]) -> None:
-    """The checks that need no database (ValueError)."""
-    for record in records:
-        _check(record)
-    ids = [r.id for r in records]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"completion ids in one batch must be distinct, got {ids}")
-    replaced = [r.replaces for r in records if r.replaces is not None]
-    if len(set(replaced)) != len(replaced):
-        raise ValueError(f"a turn can be replaced once, got {replaced}")
 
 
 async def record_completions(db: Database, records: list[CompletionRecord]) -> None:
     """Commit every record or none. See `Store.record_completions`."""
     check_records(records)
-    if not records:
-        return
-    await db.write_sync(lambda conn: write_records(conn, records))
+    if records:
+        await write_batch(db, records)
+
+
+async def write_batch(db: Database, records: list[CompletionRecord]) -> None:
+    """Record checked `records` (of one or many requests) in one transaction: all or none."""
+    if db.dialect == "postgresql":
+        async with db.pg_transaction() as conn:
+            await turns_pg.write_records(conn, records)
+    else:
+        await db.write_sync(lambda conn: write_records(conn, records))
+
+
+async def write_isolated(
+    db: Database, batches: list[list[CompletionRecord]]
+) -> list[BaseException | None]:
+    """Record each batch in a SAVEPOINT of one transaction, so only the failing ones fail;
+    each batch's error, or None. If the transaction itself fails, every batch hears it."""
+    errors: list[BaseException | None] = [None] * len(batches)
+    try:
+        if db.dialect == "postgresql":
+            async with db.pg_transaction() as conn:
+                for i, records in enumerate(batches):
+                    try:
+                        async with conn.transaction():
+                            await turns_pg.write_records(conn, records)
+                    except Exception as exc:  # this batch's failure, isolated
+                        errors[i] = exc
+        else:
+
+            def each_in_a_savepoint(s: Connection) -> None:
+                for i, records in enumerate(batches):
+                    try:
+                        with s.begin_nested():
+                            write_records(s, records)
+                    except Exception as exc:  # this batch's failure, isolated
+                        errors[i] = exc
+
+            await db.write_sync(each_in_a_savepoint)
+    except BaseException as exc:
+        errors = [e or exc for e in errors]
+    return errors
 
 
 def write_records(s: Connection, records: list[CompletionRecord]) -> None:
-    """The writes of `record_completions` inside the caller's transaction (checked records).
-
-    The records may span many requests and sessions (the group committer passes a whole group):
-    the statements are set-based, at most seven per call however many records it holds (two more
-    when some replace a turn). It is synchronous so that on SQLite a whole transaction is one
-    call to the writer thread (`Database.write_sync`).
-    """
-    ids = [r.id for r in records]
+    """The writes of `record_completions` inside the caller's transaction (checked records),
+    through SQLAlchemy Core: at most seven statements however many records the batch holds (two
+    more when some replace a turn). Synchronous, so that on SQLite a whole transaction is one
+    call to the writer thread (`Database.write_sync`)."""
     now = utcnow()
-    next_turn = _claim_turns(s, records)
-    taken = list(s.scalars(_TAKEN_IDS, {"ids": ids}))
-    if taken:
-        raise ConflictError(f"completion ids already recorded: {taken}; ids must be unique")
-
-    stored = _stored_segments(s, records)
-    replaced = _replaced_turns(s, records)
-    segments: dict[str, _Segment] = {}
-    rows: list[dict[str, Any]] = []
-    for record in records:
-        segment = _segment_for(record, segments.get(record.segment_id), stored)
-        segments[segment.id] = segment
-        if record.replaces is not None:
-            _rewind(record, segment, replaced)
-        if record.prefix_len != segment.length:
-            raise ConflictError(
-                f"completion {record.id!r}: prefix_len is {record.prefix_len} but segment "
-                f"{segment.id!r} holds {segment.length} tokens (another turn extended it "
-                "meanwhile); reload the session's segments and start a new segment"
-            )
-        delta = record.prompt_ids[record.prefix_len :]
-        segment.length += len(delta) + len(record.output_ids)
-        segment.transcript = record.transcript
-        rows.append(_completion_row(record, delta, next_turn[record.session_id], now))
-        next_turn[record.session_id] += 1
-
-    opened = [seg for seg in segments.values() if seg.stored_length is None]
-    if opened:
+    plan = plan_writes(records, _reads(s, records), now)
+    s.execute(
+        _CLAIM_TURNS,
+        [{"_id": t.id, "_turns": t.turn_count, "_breaks": t.prefix_breaks} for t in plan.sessions],
+    )
+    if plan.opened:
         s.execute(
             insert(_SEGMENTS),
             [
@@ -128,11 +109,10 @@ def write_records(s: Connection, records: list[CompletionRecord]) -> None:
                     length=seg.length,
                     created_at=now,
                 )
-                for seg in opened
+                for seg in plan.opened
             ],
         )
-    extended = [seg for seg in segments.values() if seg.stored_length is not None]
-    if extended:
+    if plan.extended:
         moved: CursorResult[Any] = s.execute(
             _EXTEND_SEGMENT,
             [
@@ -142,14 +122,42 @@ def write_records(s: Connection, records: list[CompletionRecord]) -> None:
                     "_length": seg.length,
                     "_transcript": seg.transcript,
                 }
-                for seg in extended
+                for seg in plan.extended
             ],
         )
         if moved.supports_sane_multi_rowcount():
-            assert moved.rowcount == len(extended), "a segment changed under its session's lock"
-    if replaced:
-        s.execute(_MARK_REPLACED, {"ids": sorted(replaced)})
-    s.execute(insert(_COMPLETIONS), rows)
+            assert moved.rowcount == len(plan.extended), "a segment changed under its lock"
+    if plan.replaced:
+        s.execute(_MARK_REPLACED, {"ids": plan.replaced})
+    s.execute(insert(_COMPLETIONS), plan.completions)
+
+
+def _reads(s: Connection, records: list[CompletionRecord]) -> TurnReads:
+    sessions = session_ids(records)
+    found = {
+        row.id: ClaimedSession(row.id, row.turn_count, row.prefix_breaks, row.ended_at)
+        for row in s.execute(_CLAIM_SESSIONS, {"ids": sessions})
+    }
+    taken = list(s.scalars(_TAKEN_IDS, {"ids": [r.id for r in records]}))
+    opened = opened_segment_ids(records)
+    if opened:
+        stored = s.execute(_STORED_OF_SESSIONS_OR_IDS, {"sessions": sessions, "ids": opened})
+    else:
+        stored = s.execute(_STORED_OF_SESSIONS, {"sessions": sessions})
+    segments = [StoredSegment(*row) for row in stored]
+    replaced: dict[str, ReplacedTurn] = {}
+    if ids := replaced_ids(records):
+        replaced = {
+            row.id: ReplacedTurn(
+                row.id,
+                row.segment_id,
+                row.prefix_len,
+                row.prefix_len + (len(row.prompt_delta) + len(row.output_ids)) // 4,
+                row.status,
+            )
+            for row in s.execute(_REPLACED_TURNS, {"ids": ids})
+        }
+    return TurnReads(found, taken, segments, replaced)
 
 
 _SESSIONS = cast(Table, SessionRow.__table__)
@@ -208,182 +216,6 @@ _MARK_REPLACED = (
     .where(_COMPLETIONS.c.id.in_(bindparam("ids", expanding=True)))
     .values(status=TurnStatus.REPLACED.value)
 )
-
-
-@dataclass(frozen=True, slots=True)
-class _Replaced:
-    segment_id: str
-    prefix_len: int
-    end: int
-    """The segment's length right after this turn."""
-    status: str
-
-
-def _replaced_turns(s: Connection, records: list[CompletionRecord]) -> dict[str, _Replaced]:
-    ids = sorted(r.replaces for r in records if r.replaces is not None)
-    if not ids:
-        return {}
-    return {
-        row.id: _Replaced(
-            row.segment_id,
-            row.prefix_len,
-            row.prefix_len + (len(row.prompt_delta) + len(row.output_ids)) // 4,
-            row.status,
-        )
-        for row in s.execute(_REPLACED_TURNS, {"ids": ids})
-    }
-
-
-def _rewind(record: CompletionRecord, segment: _Segment, replaced: dict[str, _Replaced]) -> None:
-    """Take the replaced turn out of `segment`: it must be the segment's last turn."""
-    old = replaced.get(record.replaces or "")
-    if (
-        old is None
-        or old.segment_id != segment.id
-        or old.status == TurnStatus.REPLACED.value
-        or old.end != segment.length
-    ):
-        raise ConflictError(
-            f"completion {record.id!r} replaces {record.replaces!r}, which is not the last turn of "
-            f"segment {segment.id!r}: reload the session's segments"
-        )
-    segment.length = old.prefix_len
-
-
-def _claim_turns(s: Connection, records: list[CompletionRecord]) -> dict[str, int]:
-    """Lock the records' sessions and take their next turn numbers; returns each session's
-    first new turn. The sessions are locked (`FOR UPDATE` on PostgreSQL; SQLite's write
-    transaction locks the database) in id order, so concurrent batches lock in one order."""
-    per_session = Counter(r.session_id for r in records)
-    breaks = Counter(r.session_id for r in records if r.prefix_break and r.side is None)
-    session_ids = sorted(per_session)
-    found = {row.id: row for row in s.execute(_CLAIM_SESSIONS, {"ids": session_ids})}
-    for session_id in session_ids:
-        row = found.get(session_id)
-        if row is None:
-            raise session_not_found(session_id)
-        if row.ended_at is not None:
-            raise SessionEndedError(
-                f"session {session_id!r} has ended: no more turns can be recorded; "
-                "create a new session to continue"
-            )
-    s.execute(
-        _CLAIM_TURNS,
-        [
-            {
-                "_id": sid,
-                "_turns": found[sid].turn_count + per_session[sid],
-                "_breaks": found[sid].prefix_breaks + breaks[sid],
-            }
-            for sid in session_ids
-        ],
-    )
-    return {sid: found[sid].turn_count for sid in session_ids}
-
-
-@dataclass(frozen=True, slots=True)
-class _Stored:
-    id: str
-    session_id: str
-    position: int
-    length: int
-
-
-@dataclass(slots=True)
-class _StoredSegments:
-    by_id: dict[str, _Stored]
-    by_position: dict[tuple[str, int], _Stored]
-
-
-def _stored_segments(s: Connection, records: list[CompletionRecord]) -> _StoredSegments:
-    """Every stored segment the records may touch or clash with: those of their sessions, and
-    any holding an id that a record opens. One indexed query."""
-    session_ids = sorted({r.session_id for r in records})
-    opened_ids = sorted({r.segment_id for r in records if r.opens_segment})
-    if opened_ids:
-        result = s.execute(_STORED_OF_SESSIONS_OR_IDS, {"sessions": session_ids, "ids": opened_ids})
-    else:
-        result = s.execute(_STORED_OF_SESSIONS, {"sessions": session_ids})
-    rows = [_Stored(*row) for row in result]
-    return _StoredSegments(
-        by_id={row.id: row for row in rows},
-        by_position={(row.session_id, row.position): row for row in rows},
-    )
-
-
-def _segment_for(
-    record: CompletionRecord, seen: _Segment | None, stored: _StoredSegments
-) -> _Segment:
-    """The segment `record` writes into: opened by it, seen earlier in the batch, or stored."""
-    if record.opens_segment:
-        if seen is not None:
-            raise ConflictError(f"segment {record.segment_id!r} is opened twice in one batch")
-        clash = stored.by_id.get(record.segment_id) or stored.by_position.get(
-            (record.session_id, record.segment_index)
-        )
-        if clash is not None:
-            raise ConflictError(
-                f"session {record.session_id!r} already has segment {clash.id!r} (id "
-                f"{record.segment_id!r} or index {record.segment_index} is taken): reload the "
-                "session's segments and open the next index"
-            )
-        return _Segment(
-            id=record.segment_id,
-            session_id=record.session_id,
-            position=record.segment_index,
-            stored_length=None,
-            length=0,
-            transcript=record.transcript,
-        )
-    segment = seen
-    if segment is None:
-        row = stored.by_id.get(record.segment_id)
-        if row is not None:
-            segment = _Segment(
-                id=row.id,
-                session_id=row.session_id,
-                position=row.position,
-                stored_length=row.length,
-                length=row.length,
-                transcript={},
-            )
-    if (
-        segment is None
-        or segment.session_id != record.session_id
-        or segment.position != record.segment_index
-    ):
-        raise NotFoundError(
-            f"session {record.session_id!r} has no segment {record.segment_id!r} at index "
-            f"{record.segment_index}: open it with opens_segment=True"
-        )
-    return segment
-
-
-def _completion_row(
-    record: CompletionRecord, delta: list[int], turn: int, now: Any
-) -> dict[str, Any]:
-    return dict(
-        id=record.id,
-        session_id=record.session_id,
-        segment_id=record.segment_id,
-        turn=turn,
-        prefix_len=record.prefix_len,
-        prompt_delta=encode_i32(delta),
-        output_ids=encode_i32(record.output_ids),
-        logprobs=encode_f32(record.logprobs),
-        versions=encode_i32(record.versions),
-        min_version=min(record.versions, default=None),
-        max_version=max(record.versions, default=None),
-        finish_reason=record.finish_reason,
-        status=record.status.value,
-        side=record.side,
-        sampling=record.sampling,
-        request=record.request,
-        response=record.response,
-        latency_ms=record.latency_ms,
-        ttft_ms=record.ttft_ms,
-        created_at=now,
-    )
 
 
 async def get_turn(db: Database, completion_id: str) -> KeptTurn | None:

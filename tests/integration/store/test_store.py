@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from datetime import UTC
-from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import event, inspect, text
+from sqlalchemy import inspect, text
 
 from store import (
     ConflictError,
@@ -25,6 +24,7 @@ from store.db import Database
 from store.tables import Base
 from store.types import SessionStatus, TrainState, TurnStatus
 from tests.support.store_records import count, new_session, one_turn_session, raw, rec
+from tests.support.store_statements import statements_of
 
 
 async def test_migrations_create_the_schema_from_empty_and_downgrade_then_upgrade(
@@ -332,11 +332,6 @@ async def test_a_turn_costs_a_few_statements_and_a_burst_no_more(store: Store) -
     without group commit (`Store.connect(group_commit=False)`) each turn pays its own."""
     run = await store.create_run("statements", {})
     sids = [n.info.id for n in await store.create_sessions(run.id, 65)]
-    statements: list[str] = []
-
-    def seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if not statement.lstrip().upper().startswith(("BEGIN", "COMMIT", "PRAGMA")):
-            statements.append(statement)
 
     async def burst(s: Store, group: list[str]) -> int:
         statements.clear()
@@ -351,24 +346,20 @@ async def test_a_turn_costs_a_few_statements_and_a_burst_no_more(store: Store) -
         return len(statements)
 
     alone = await Store.connect(store.url, upgrade=False, group_commit=False)
-    engines = [*store._db.sync_engines, *alone._db.sync_engines]
-    for engine in engines:
-        event.listen(engine, "before_cursor_execute", seen)
     try:
-        first = [rec(f"{sids[0]}-0", sids[0], 0, prompt=[1, 2], prefix_len=0, output=[3],
-                     opens=True)]  # fmt: skip
-        await store.record_completions(first)
-        opening = len(statements)
-        statements.clear()
-        await store.record_completions(
-            [rec(f"{sids[0]}-1", sids[0], 0, prompt=[1, 2, 3, 4], prefix_len=3, output=[5])]
-        )
-        extending = len(statements)
-        grouped = await burst(store, sids[1:33])
-        ungrouped = await burst(alone, sids[33:])
+        with statements_of(store, alone) as statements:
+            first = [rec(f"{sids[0]}-0", sids[0], 0, prompt=[1, 2], prefix_len=0, output=[3],
+                         opens=True)]  # fmt: skip
+            await store.record_completions(first)
+            opening = len(statements)
+            statements.clear()
+            await store.record_completions(
+                [rec(f"{sids[0]}-1", sids[0], 0, prompt=[1, 2, 3, 4], prefix_len=3, output=[5])]
+            )
+            extending = len(statements)
+            grouped = await burst(store, sids[1:33])
+            ungrouped = await burst(alone, sids[33:])
     finally:
-        for engine in engines:
-            event.remove(engine, "before_cursor_execute", seen)
         await alone.close()
     assert opening <= 6, statements
     assert extending <= 7, statements
