@@ -127,6 +127,8 @@ class SessionTurns:
     id: str
     turn_count: int
     prefix_breaks: int
+    read_turn_count: int
+    """The turn count read: the session is updated only from it (PostgreSQL's optimistic write)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +200,7 @@ def _session_turns(
                 session_id,
                 row.turn_count + per_session[session_id],
                 row.prefix_breaks + breaks[session_id],
+                row.turn_count,
             )
         )
     return out

@@ -49,8 +49,7 @@ async def record_completions(db: Database, records: list[CompletionRecord]) -> N
 async def write_batch(db: Database, records: list[CompletionRecord]) -> None:
     """Record checked `records` (of one or many requests) in one transaction: all or none."""
     if db.dialect == "postgresql":
-        async with db.pg_transaction() as conn:
-            await turns_pg.write_records(conn, records)
+        await turns_pg.write_batch(db, records)
     else:
         await db.write_sync(lambda conn: write_records(conn, records))
 

@@ -1,17 +1,25 @@
 """Recording turns on PostgreSQL through asyncpg itself: the same plan as `store.turns`
-(`store.turn_plan`), in three statements whatever the batch holds.
+(`store.turn_plan`), in two statements whatever the batch holds.
 
 The hot path of every turn of every agent, so written against the driver: SQLAlchemy's statement
 machinery and greenlet hops cost more client CPU per turn than PostgreSQL spent on it
-(BENCHMARKS.md, "Store"). In the batch's transaction:
+(BENCHMARKS.md, "Store"). Optimistic first, each statement committed on its own:
 
-1. its sessions' rows are locked in id order (`FOR UPDATE`; concurrent batches lock in one order);
-2. one read, after the lock (under READ COMMITTED each statement sees what committed before it
-   started, so a batch that waited for the lock sees the turns recorded meanwhile): the batch's
-   completion ids already taken, and the stored segments it may touch;
-3. one statement writes the plan: the sessions' turn counts, the opened segments, the extended
-   ones (each only from its stored length), the replaced turns' marks and the completions, as
-   data-modifying CTEs over arrays (`unnest`), so the statement is the same for any batch.
+1. one read, without locks: the batch's sessions (turn counts, ended or not), its completion
+   ids already taken, and the stored segments it may touch;
+2. one statement writes the plan: the sessions' turn counts, the opened segments, the extended
+   ones, the replaced turns' marks and the completions, as data-modifying CTEs over arrays
+   (`unnest`), so the statement is the same for any batch. Each session is updated only from
+   the turn count read and only while active, each segment only from the length read; if any
+   changed meanwhile (another gateway recorded a turn of the session, or ended it), the guard
+   (`rlgateway_turns_guard`, migration 0008) fails the statement and nothing of it is written.
+
+Then, and when the plan refuses the batch or an id it opens was taken meanwhile, the batch is
+written again in a transaction that first locks its sessions' rows in id order (concurrent
+batches lock in one order), reads after the lock (under READ COMMITTED each statement sees what
+committed before it started) and runs the same write, whose guards then hold: this path decides
+every error a caller sees. A batch is two statements when nothing raced it, five when something
+did.
 """
 
 from __future__ import annotations
@@ -21,8 +29,8 @@ from typing import Any
 
 import asyncpg
 
-from store.db import utcnow
-from store.errors import ConflictError
+from store.db import Database, utcnow
+from store.errors import ConflictError, StoreError
 from store.turn_plan import (
     COMPLETION_COLUMNS,
     ClaimedSession,
@@ -37,17 +45,20 @@ from store.turn_plan import (
 )
 from store.types import CompletionRecord, TurnStatus
 
-_LOCK_SESSIONS = """
-SELECT id, turn_count, prefix_breaks, ended_at FROM sessions
-WHERE id = ANY($1::varchar[]) ORDER BY id FOR UPDATE
-"""
-_TAKEN_AND_STORED = """
-SELECT true AS taken, id, NULL::varchar AS session_id, NULL::int AS position, NULL::int AS length
-FROM completions WHERE id = ANY($1::varchar[])
+_LOCK_SESSIONS = "SELECT id FROM sessions WHERE id = ANY($1::varchar[]) ORDER BY id FOR UPDATE"
+_SESSION, _TAKEN, _SEGMENT = 0, 1, 2
+_READ = f"""
+SELECT {_SESSION} AS kind, id, NULL::varchar AS session_id, turn_count AS a, prefix_breaks AS b,
+       ended_at
+FROM sessions WHERE id = ANY($1::varchar[])
 UNION ALL
-SELECT false, id, session_id, position, length FROM segments
-WHERE session_id = ANY($2::varchar[]) OR id = ANY($3::varchar[])
+SELECT {_TAKEN}, id, NULL, NULL, NULL, NULL FROM completions WHERE id = ANY($2::varchar[])
+UNION ALL
+SELECT {_SEGMENT}, id, session_id, position, length, NULL FROM segments
+WHERE session_id = ANY($1::varchar[]) OR id = ANY($3::varchar[])
 """
+STALE = "RLG01"
+"""The guard's SQLSTATE: a session or segment changed since the batch read it."""
 _REPLACED_TURNS = """
 SELECT id, segment_id, prefix_len, status,
        (octet_length(prompt_delta) + octet_length(output_ids)) / 4 AS tokens
@@ -76,15 +87,15 @@ _COMPLETION_TYPES = {
     "ttft_ms": "float8",
     "created_at": "timestamptz",
 }
-_C = 10  # the completions' parameters start at $11
+_C = 11  # the completions' parameters start at $12
 _COMPLETION_ARRAYS = ", ".join(
     f"${_C + 1 + i}::{_COMPLETION_TYPES[c]}[]" for i, c in enumerate(COMPLETION_COLUMNS)
 )
 _WRITE = f"""
 WITH turns AS (
     UPDATE sessions AS s SET turn_count = u.turns, prefix_breaks = u.breaks
-    FROM unnest($1::varchar[], $2::int[], $3::int[]) AS u(id, turns, breaks)
-    WHERE s.id = u.id
+    FROM unnest($1::varchar[], $2::int[], $3::int[], $10::int[]) AS u(id, turns, breaks, read)
+    WHERE s.id = u.id AND s.turn_count = u.read AND s.ended_at IS NULL
     RETURNING 1
 ), opened AS (
     INSERT INTO segments (id, session_id, position, transcript, length, created_at)
@@ -100,51 +111,67 @@ WITH turns AS (
     RETURNING 1
 ), replaced AS (
     UPDATE completions SET status = '{TurnStatus.REPLACED.value}'
-    WHERE id = ANY($10::varchar[])
+    WHERE id = ANY($11::varchar[])
     RETURNING 1
 ), added AS (
     INSERT INTO completions ({", ".join(COMPLETION_COLUMNS)})
     SELECT * FROM unnest({_COMPLETION_ARRAYS})
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM extended)
+SELECT rlgateway_turns_guard(
+    cardinality($1::varchar[]), (SELECT count(*) FROM turns),
+    cardinality(${_C + 21}::varchar[]), (SELECT count(*) FROM extended)
+)
 """
+
+
+async def write_batch(db: Database, records: list[CompletionRecord]) -> None:
+    """Record checked `records` on `db`: optimistically in two statements, or, when that was
+    raced or refused, under their sessions' locks (which raises what the caller must hear)."""
+    async with db.pg_connection() as conn:
+        try:
+            now = utcnow()
+            plan = plan_writes(records, await _reads(conn, records), now)
+            await conn.fetchval(_WRITE, *_write_args(plan, now))
+            return
+        except (StoreError, asyncpg.UniqueViolationError, asyncpg.DeadlockDetectedError):
+            pass  # a refusal from unlocked reads, or a race: decided under the locks
+        except asyncpg.PostgresError as exc:
+            if exc.sqlstate != STALE:
+                raise
+        async with conn.transaction():
+            await write_records(conn, records)
 
 
 async def write_records(conn: asyncpg.Connection, records: list[CompletionRecord]) -> None:
     """The writes of `record_completions` (checked records) in the caller's transaction on
-    `conn`; raises as `plan_writes` says, and ConflictError for a completion or segment id that
-    another transaction took meanwhile."""
+    `conn`, under the sessions' row locks; raises as `plan_writes` says, and ConflictError for
+    a completion or segment id that another transaction took meanwhile."""
+    await conn.execute(_LOCK_SESSIONS, session_ids(records))
     now = utcnow()
     plan = plan_writes(records, await _reads(conn, records), now)
     try:
-        moved = await conn.fetchval(_WRITE, *_write_args(plan, now))
+        await conn.fetchval(_WRITE, *_write_args(plan, now))
     except asyncpg.UniqueViolationError as exc:
         raise ConflictError(
             f"a completion or segment id of this batch was recorded meanwhile ({exc.detail}); "
             "ids must be unique: reload the session's segments"
         ) from exc
-    assert moved == len(plan.extended), "a segment changed under its session's lock"
 
 
 async def _reads(conn: asyncpg.Connection, records: list[CompletionRecord]) -> TurnReads:
-    sessions = session_ids(records)
-    found = {
-        row["id"]: ClaimedSession(
-            row["id"], row["turn_count"], row["prefix_breaks"], row["ended_at"]
-        )
-        for row in await conn.fetch(_LOCK_SESSIONS, sessions)
-    }
+    found: dict[str, ClaimedSession] = {}
     taken: list[str] = []
     segments: list[StoredSegment] = []
     ids = [r.id for r in records]
-    for row in await conn.fetch(_TAKEN_AND_STORED, ids, sessions, opened_segment_ids(records)):
-        if row["taken"]:
-            taken.append(row["id"])
+    for row in await conn.fetch(_READ, session_ids(records), ids, opened_segment_ids(records)):
+        kind, id_ = row["kind"], row["id"]
+        if kind == _SESSION:
+            found[id_] = ClaimedSession(id_, row["a"], row["b"], row["ended_at"])
+        elif kind == _TAKEN:
+            taken.append(id_)
         else:
-            segments.append(
-                StoredSegment(row["id"], row["session_id"], row["position"], row["length"])
-            )
+            segments.append(StoredSegment(id_, row["session_id"], row["a"], row["b"]))
     replaced: dict[str, ReplacedTurn] = {}
     if wanted := replaced_ids(records):
         replaced = {
@@ -176,6 +203,7 @@ def _write_args(plan: TurnWrites, now: Any) -> list[Any]:
         [seg.position for seg in plan.opened],
         [json.dumps(seg.transcript) for seg in plan.opened],
         [seg.length for seg in plan.opened],
+        [t.read_turn_count for t in plan.sessions],
         plan.replaced,
         *columns,
         [seg.id for seg in plan.extended],
