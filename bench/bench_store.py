@@ -7,7 +7,10 @@ Each writer plays agent sessions of `--turns` turns: every turn is one `record_c
 logprobs and versions (drawn from a pool made before the clock starts). Writers run as
 concurrent asyncio tasks on one `Store`, as the gateway's request handlers do. A call returns
 once its transaction committed, either way. SQLite is a fresh file in a temp dir; PostgreSQL a
-fresh database on the server at --postgres-url, dropped afterwards. Run from the repository root:
+fresh database on the server at --postgres-url, dropped afterwards. Each row also prints the CPU
+per completion of this process (the writers and the store's client side) and, for a PostgreSQL
+server on this machine, of the server's processes (read from /proc; anything else the server
+does meanwhile counts too, so measure on a quiet machine). Run from the repository root:
 
     .venv/bin/python bench/bench_store.py --concurrency 1 16
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import os
 import platform
@@ -119,35 +123,72 @@ async def writer(
         await store.end_session(sid)
 
 
-async def measure(
-    url: str, concurrency: int, grouped: bool, args: argparse.Namespace
-) -> tuple[float, list[float]]:
+@dataclasses.dataclass
+class Measured:
+    rate: float
+    latencies: list[float]
+    client_ms: float
+    """CPU of this process per completion (the writers and the store's client side)."""
+    server_ms: float | None
+    """CPU of the PostgreSQL server's processes per completion (None: SQLite, or a server this
+    machine's /proc does not show)."""
+
+
+async def measure(url: str, concurrency: int, grouped: bool, args: argparse.Namespace) -> Measured:
     store = await Store.connect(url, group_commit=grouped)
     try:
         run = await store.create_run("bench", {})
         await writer(store, run.id, 2 * concurrency, args, [])  # warm-up: pool, caches
         per = args.completions // concurrency
         latencies: list[float] = []
+        cpu0, server0 = time.process_time(), _postgres_cpu_s(url)
         t0 = time.perf_counter()
         await asyncio.gather(
             *(writer(store, run.id, per, args, latencies) for _ in range(concurrency))
         )
         elapsed = time.perf_counter() - t0
+        cpu1, server1 = time.process_time(), _postgres_cpu_s(url)
     finally:
         await store.close()
-    return per * concurrency / elapsed, latencies
+    n = per * concurrency
+    server = None if server0 is None or server1 is None else 1000 * (server1 - server0) / n
+    return Measured(n / elapsed, latencies, 1000 * (cpu1 - cpu0) / n, server)
+
+
+def _postgres_cpu_s(url: str) -> float | None:
+    """CPU seconds of every PostgreSQL process on this machine (those that exited counted in
+    their parent's children's time); None for SQLite or when /proc shows none."""
+    if url.startswith("sqlite"):
+        return None
+    ticks, found = 0, False
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if not (entry / "comm").read_text().startswith(("postgres", "postmaster")):
+                continue
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        found = True
+        ticks += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    return ticks / os.sysconf("SC_CLK_TCK") if found else None
 
 
 async def amain(args: argparse.Namespace) -> None:
-    print("| backend | writers | commit | completions/s | p50 ms | p95 ms | grouped / per-call |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print(
+        "| backend | writers | commit | completions/s | p50 ms | p95 ms | grouped / per-call "
+        "| client CPU ms/c | server CPU ms/c |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for backend in args.backends:
         for c in args.concurrency:
             rates: dict[str, float] = {}
             for mode in args.commit:
                 async with database(backend, args.postgres_url) as url:
-                    rates[mode], lat = await measure(url, c, mode == "grouped", args)
-                lat_ms = sorted(1000 * x for x in lat)
+                    m = await measure(url, c, mode == "grouped", args)
+                rates[mode] = m.rate
+                lat_ms = sorted(1000 * x for x in m.latencies)
                 p50 = statistics.median(lat_ms)
                 p95 = lat_ms[int(0.95 * (len(lat_ms) - 1))]
                 ratio = (
@@ -155,9 +196,10 @@ async def amain(args: argparse.Namespace) -> None:
                     if mode == "grouped" and "per-call" in rates
                     else ""
                 )
+                server = "" if m.server_ms is None else f"{m.server_ms:.3f}"
                 print(
                     f"| {backend} | {c} | {mode} | {rates[mode]:,.0f} | {p50:.1f} | {p95:.1f} "
-                    f"| {ratio} |",
+                    f"| {ratio} | {m.client_ms:.3f} | {server} |",
                     flush=True,
                 )
     print()

@@ -1,13 +1,16 @@
-"""The store's read paths on a long run's history: how long the trainer's claim, staleness
-admission, the idle sweep and the admin browser take on PostgreSQL when a run holds many settled
-sessions, and the plan PostgreSQL picks for each of their statements.
+"""The store's read paths and its hot path on a long run's history: how long the trainer's
+claim, staleness admission, the idle sweep and the admin browser take on PostgreSQL when a run
+holds many settled sessions, and an agent's session made, its turns recorded and the session
+ended beside them, with the plan PostgreSQL picks for each of their statements.
 
 A fresh database gets one run of `--sessions` sessions (groups of 8; 4 turns of 64 sampled tokens
 each, a reward each), nearly all of them trained long ago, `--queue` ended and waiting for the
 trainer, and as many still active: a run late in its life, written with `INSERT ... SELECT` from
 `generate_series` (fast to build, the same rows the store writes). Each store call then runs
 `--repeat` times (the median is reported), and every statement it issued is run again under
-`EXPLAIN (ANALYZE, COSTS OFF)` and its plan printed. Run from the repository root:
+`EXPLAIN (ANALYZE, COSTS OFF)` and its plan printed (a write's plan under `EXPLAIN` alone; the hot
+path's statements, sent through asyncpg itself, are read from asyncpg's query log). Run
+from the repository root:
 
     .venv/bin/python bench/bench_store_queries.py [--sessions 100000]
 """
@@ -35,7 +38,7 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 from bench_store import _cpu_model, database  # noqa: E402
 
 from store import Store  # noqa: E402
-from store.types import SessionFilter, SessionStatus  # noqa: E402
+from store.types import CompletionRecord, SessionFilter, SessionStatus  # noqa: E402
 
 GROUP = 8
 
@@ -155,6 +158,7 @@ async def amain(args: argparse.Namespace) -> None:
                 ms = 1000 * await timed(call, args.repeat)
                 plans[name] = list(dict.fromkeys((s, tuple(p or ())) for s, p in seen))
                 print(f"| {name} | {ms:,.1f} |", flush=True)
+            await hot_path(store, run.id, args.repeat, plans)
             if args.plans:
                 await explain(store.url, plans)
         finally:
@@ -165,14 +169,83 @@ async def amain(args: argparse.Namespace) -> None:
     )
 
 
+async def hot_path(
+    store: Store, run_id: str, repeat: int, plans: dict[str, list[tuple[str, Any]]]
+) -> None:
+    """Time an agent's session made, its first and second turns recorded (512 sampled tokens
+    each) and the session ended, `repeat` fresh sessions each, and keep each one's statements
+    (sent through asyncpg itself: read from its query log) for `explain`."""
+    seen: list[tuple[str, Any]] = []
+    logged: list[Any] = []
+
+    def on_query(query: Any) -> None:
+        seen.append((query.query, tuple(query.args or ())))
+
+    def on_checkout(dbapi_connection: Any, *_args: Any) -> None:
+        driver = dbapi_connection.driver_connection
+        if driver not in logged:
+            driver.add_query_logger(on_query)
+            logged.append(driver)
+
+    sids: list[str] = []
+
+    def turn(sid: str, index: int) -> CompletionRecord:
+        prompt = list(range(100 + 612 * index))
+        return CompletionRecord(
+            id=f"{sid}-{index}", session_id=sid, segment_id=f"{sid}-seg", segment_index=0,
+            opens_segment=index == 0, prefix_break=False, transcript={"messages": []},
+            prefix_len=len(prompt) - 100 if index else 0, prompt_ids=prompt,
+            output_ids=[7] * 512, logprobs=[-0.5] * 512, versions=[1] * 512,
+            finish_reason="length",
+        )  # fmt: skip
+
+    async def made() -> None:
+        sids.extend(s.info.id for s in await store.create_sessions(run_id, 1))
+
+    def each(call: Callable[[str], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+        """`call` on the sessions made, one after the other (they exist once `made` ran)."""
+        done = iter(range(repeat))
+        return lambda: call(sids[next(done)])
+
+    pool = store._db.engine.sync_engine.pool
+    event.listen(pool, "checkout", on_checkout)
+    try:
+        steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+            ("create_sessions (one)", made),
+            ("record_completions (a first turn)",
+             each(lambda sid: store.record_completions([turn(sid, 0)]))),
+            ("record_completions (a second turn)",
+             each(lambda sid: store.record_completions([turn(sid, 1)]))),
+            ("end_session", each(store.end_session)),
+        ]  # fmt: skip
+        for name, call in steps:
+            seen.clear()
+            ms = 1000 * await timed(call, repeat)
+            await asyncio.sleep(0)  # the query log's callbacks run on the loop
+            first: dict[str, Any] = {}
+            for stmt, params in seen:
+                first.setdefault(stmt, params)
+            plans[name] = list(first.items())
+            print(f"| {name} | {ms:,.1f} |", flush=True)
+    finally:
+        event.remove(pool, "checkout", on_checkout)
+        for driver in logged:
+            driver.remove_query_logger(on_query)
+
+
 async def explain(url: str, plans: dict[str, list[tuple[str, Any]]]) -> None:
     conn = await asyncpg.connect(url.replace("postgresql+asyncpg", "postgresql"))
     try:
         for name, statements in plans.items():
             print(f"\n### {name}")
             for stmt, params in statements:
-                rows = await conn.fetch("EXPLAIN (ANALYZE, COSTS OFF) " + stmt, *params)
+                if "set_config('jit'" in stmt or "typeinfo_tree" in stmt:
+                    continue  # asyncpg's look-up of a statement's types
                 print("    " + " ".join(stmt.split())[:160])
+                writes = stmt.lstrip().upper().startswith(("INSERT", "UPDATE", "WITH"))
+                # a write ran already (its ids are taken): its plan, not run again
+                how = "EXPLAIN (COSTS OFF) " if writes else "EXPLAIN (ANALYZE, COSTS OFF) "
+                rows = await conn.fetch(how + stmt, *params)
                 for row in rows:
                     print("      " + row[0])
     finally:
