@@ -134,7 +134,11 @@ async def write_batch(db: Database, records: list[CompletionRecord]) -> None:
             plan = plan_writes(records, await _reads(conn, records), now)
             await conn.fetchval(_WRITE, *_write_args(plan, now))
             return
-        except (StoreError, asyncpg.UniqueViolationError, asyncpg.DeadlockDetectedError):
+        except (
+            StoreError,
+            asyncpg.IntegrityConstraintViolationError,
+            asyncpg.DeadlockDetectedError,
+        ):
             pass  # a refusal from unlocked reads, or a race: decided under the locks
         except asyncpg.PostgresError as exc:
             if exc.sqlstate != STALE:

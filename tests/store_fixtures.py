@@ -94,6 +94,14 @@ def store_url(
     drop_postgres_database(url)
 
 
+@pytest.fixture(scope="module")
+def postgres_url() -> Iterator[str]:
+    """An empty PostgreSQL database for the module, for tests of PostgreSQL alone."""
+    url = create_postgres_database()
+    yield url
+    drop_postgres_database(url)
+
+
 @pytest.fixture
 def fresh_url(request: pytest.FixtureRequest, store_url: str, tmp_path: Any) -> Iterator[str]:
     """An empty database of the same backend as `store_url`, for this test alone."""

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from store import ConflictError, SessionEndedError, Store, turns_pg
 from store.types import CompletionRecord
-from tests.store_fixtures import create_postgres_database, drop_postgres_database
 from tests.support.store_records import rec
 from tests.support.store_statements import statements_of
 
@@ -21,17 +19,9 @@ pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture(scope="module")
-def pg_url() -> Iterator[str]:
-    url = create_postgres_database()
-    yield url
-    drop_postgres_database(url)
-
-
-@pytest.fixture
-async def store(pg_url: str) -> AsyncIterator[Store]:
-    s = await Store.connect(pg_url)
-    yield s
-    await s.close()
+def store_url(postgres_url: str) -> str:
+    """These tests run on PostgreSQL alone (the shared `store` fixture connects to this)."""
+    return postgres_url
 
 
 async def test_a_batch_is_two_statements_and_a_session_one_to_make_and_one_to_end(
