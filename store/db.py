@@ -30,9 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import asyncpg
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
@@ -44,6 +43,9 @@ from sqlalchemy.ext.asyncio import (
 )
 
 from store.errors import StoreError
+
+if TYPE_CHECKING:  # asyncpg is imported where PostgreSQL is used (SQLAlchemy's dialect)
+    import asyncpg
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 _WRITE_OPTION = "rlgateway_write"

@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, cast
 
-import asyncpg
 from sqlalchemy import (
     ColumnElement,
     Connection,
@@ -28,7 +27,6 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from store import sessions_pg
 from store.db import Database, new_id, utcnow
 from store.errors import ConflictError, NotFoundError
 from store.tables import RewardRow, RunRow, SessionRow
@@ -170,19 +168,23 @@ async def create_sessions(
     def run_not_found() -> NotFoundError:
         return NotFoundError(f"no run {run_id!r}: create the run before its sessions")
 
+    if admit is None and db.dialect == "postgresql":
+        from store import sessions_pg  # asyncpg, imported on PostgreSQL only
+
+        async with db.pg_connection() as conn:
+            await sessions_pg.insert_sessions(conn, rows, run_not_found)
+        return _made(rows, keys)
     try:
-        if admit is None and db.dialect == "postgresql":
-            async with db.pg_connection() as conn:
-                await sessions_pg.insert_sessions(conn, rows)
-        else:
-            await db.write_sync(write)
-    except asyncpg.ForeignKeyViolationError as exc:
-        raise run_not_found() from exc
+        await db.write_sync(write)
     except IntegrityError as exc:  # without admission, the run's foreign key is the check
         async with db.read() as s:
             if await s.get(RunRow, run_id) is None:
                 raise run_not_found() from exc
         raise
+    return _made(rows, keys)
+
+
+def _made(rows: list[dict[str, Any]], keys: list[str]) -> list[NewSession]:
     return [
         NewSession(info=info_from_columns(r), api_key=k) for r, k in zip(rows, keys, strict=True)
     ]
@@ -260,6 +262,8 @@ async def session_for_key(db: Database, api_key: str) -> SessionInfo | None:
 async def end_session(db: Database, session_id: str, *, failure: str | None = None) -> SessionInfo:
     """See `Store.end_session`."""
     if failure is None and db.dialect == "postgresql":
+        from store import sessions_pg
+
         async with db.pg_connection() as conn:
             columns = await sessions_pg.end_session(conn, session_id, utcnow())
         if columns is None:

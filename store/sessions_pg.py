@@ -5,6 +5,7 @@ committed on its own (no BEGIN and COMMIT round trips), for the hot path beside 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -28,20 +29,27 @@ UPDATE sessions SET ended_at = $2 WHERE id = $1 AND ended_at IS NULL RETURNING {
 _SESSION = f"SELECT {_COLUMNS} FROM sessions WHERE id = $1"
 
 
-async def insert_sessions(conn: asyncpg.Connection, rows: list[dict[str, Any]]) -> None:
+async def insert_sessions(
+    conn: asyncpg.Connection,
+    rows: list[dict[str, Any]],
+    run_not_found: Callable[[], Exception],
+) -> None:
     """Insert the rows `store.sessions.create_sessions` made (one run, group and metadata);
-    asyncpg.ForeignKeyViolationError for an unknown run."""
+    raises `run_not_found()` for an unknown run."""
     first = rows[0]
-    await conn.execute(
-        _INSERT,
-        [r["id"] for r in rows],
-        [r["key_hash"] for r in rows],
-        first["run_id"],
-        first["group_id"],
-        json.dumps(first["metadata"]),
-        first["created_at"],
-        TrainState.PENDING.value,
-    )
+    try:
+        await conn.execute(
+            _INSERT,
+            [r["id"] for r in rows],
+            [r["key_hash"] for r in rows],
+            first["run_id"],
+            first["group_id"],
+            json.dumps(first["metadata"]),
+            first["created_at"],
+            TrainState.PENDING.value,
+        )
+    except asyncpg.ForeignKeyViolationError as exc:
+        raise run_not_found() from exc
 
 
 async def end_session(

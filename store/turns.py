@@ -20,7 +20,6 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, Table, bindparam, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
-from store import turns_pg
 from store.arrays import decode_i32
 from store.db import Database, utcnow
 from store.sessions import session_not_found
@@ -49,6 +48,8 @@ async def record_completions(db: Database, records: list[CompletionRecord]) -> N
 async def write_batch(db: Database, records: list[CompletionRecord]) -> None:
     """Record checked `records` (of one or many requests) in one transaction: all or none."""
     if db.dialect == "postgresql":
+        from store import turns_pg  # asyncpg, imported on PostgreSQL only
+
         await turns_pg.write_batch(db, records)
     else:
         await db.write_sync(lambda conn: write_records(conn, records))
@@ -62,6 +63,8 @@ async def write_isolated(
     errors: list[BaseException | None] = [None] * len(batches)
     try:
         if db.dialect == "postgresql":
+            from store import turns_pg
+
             async with db.pg_transaction() as conn:
                 for i, records in enumerate(batches):
                     try:

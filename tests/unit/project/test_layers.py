@@ -89,6 +89,16 @@ def test_the_web_service_and_the_config_import_no_torch(modules: str) -> None:
     assert done.stdout.strip() == "[]"
 
 
+def test_the_store_imports_its_postgresql_driver_on_postgresql_only() -> None:
+    """A gateway on SQLite never loads asyncpg: the store's PostgreSQL hot path
+    (`store.turns_pg`, `store.sessions_pg`) is imported where a PostgreSQL store uses it."""
+    code = "import sys, store, rlgateway.app, trainer.loop; print('asyncpg' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "False"
+
+
 def test_no_file_cites_a_path_outside_the_repository() -> None:
     """The design lives in docs/architecture.md; nothing points at the brief it started from."""
     outside = ("../" + "shared", "DESIGN" + ".md")
