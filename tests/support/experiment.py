@@ -67,6 +67,13 @@ def open_sessions(out: Path, run_id: str) -> list[str]:
         return [r[0] for r in db.execute(q, (run_id,))]
 
 
+def trained_steps(out: Path, run_id: str) -> int:
+    """The steps the run's trainer has recorded in the store."""
+    with sqlite3.connect(out / "store.db") as db:
+        q = "SELECT COUNT(*) FROM train_steps WHERE run_id = ?"
+        return int(db.execute(q, (run_id,)).fetchone()[0])
+
+
 def metrics(out: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
