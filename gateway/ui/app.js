@@ -9,6 +9,10 @@
 
 const TOKEN_KEY = "rlgateway.adminToken";
 let pollTimer = null;
+// Each route() call takes the next number; a page whose route was overtaken (a click, a sign-in)
+// while it waited for the API draws nothing and starts no poll.
+let routeSeq = 0;
+const overtaken = (seq) => seq !== routeSeq;
 
 function token() { return sessionStorage.getItem(TOKEN_KEY); }
 // One path segment: an id from the API or the address bar may hold "/", "?", "#" or "..".
@@ -19,11 +23,14 @@ class ApiError extends Error {
 }
 
 async function api(method, path, body) {
-  const headers = { Authorization: "Bearer " + token() };
+  const sent = token();
+  const headers = { Authorization: "Bearer " + sent };
   if (body !== undefined) headers["Content-Type"] = "application/json";
   const r = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
   const data = await r.json().catch(() => ({}));
-  if (r.status === 401) { sessionStorage.removeItem(TOKEN_KEY); showLogin("That token was refused."); }
+  // A refusal signs out only the token it refused: an answer to a request sent with an earlier
+  // token (a wrong one, replaced by the right one meanwhile) leaves the new one alone.
+  if (r.status === 401 && token() === sent) { sessionStorage.removeItem(TOKEN_KEY); showLogin("That token was refused."); }
   if (!r.ok) throw new ApiError(r.status, (data.error && data.error.message) || r.statusText);
   return data;
 }
@@ -59,8 +66,9 @@ function showError(err) {
 
 // --- runs list --------------------------------------------------------------------------------
 
-async function runsPage() {
+async function runsPage(seq) {
   const [data, eng] = await Promise.all([api("GET", "/runs"), api("GET", "/engines")]);
+  if (overtaken(seq)) return;
   const engines = el("table", { testid: "engines" },
     el("tr", {}, ...["engine", "ok", "paused", "version", "running", "waiting"].map((h) => el("th", {}, h))),
     ...eng.engines.map((e) => el("tr", { testid: "engine-row" }, el("td", {}, e.name), el("td", {}, e.ok ? "yes" : "no"),
@@ -87,8 +95,9 @@ const CHARTS = [
   ["tokens_per_s", "throughput (tokens/s)"], ["staleness_max", "staleness (max)"], ["step_seconds", "step time (s)"],
 ];
 
-async function runPage(runId) {
+async function runPage(runId, seq) {
   const run = await api("GET", "/runs/" + enc(runId));
+  if (overtaken(seq)) return;
   const charts = el("div", { class: "charts", testid: "charts" });
   const sessions = el("div", { testid: "sessions" });
   const filters = filterForm(runId, sessions);
@@ -108,6 +117,7 @@ async function runPage(runId) {
     charts.replaceChildren(...CHARTS.map(([key, title]) => lineChart(title, m.steps, m.series[key] || [], "chart-" + key)));
   };
   await Promise.all([refresh(), loadSessions(runId, sessions, filters, 0)]);
+  if (overtaken(seq)) return;
   pollTimer = setInterval(() => refresh().catch(() => {}), 3000);
 }
 
@@ -177,8 +187,9 @@ async function loadSessions(runId, target, form, offset) {
 
 // --- session page -----------------------------------------------------------------------------
 
-async function sessionPage(sessionId) {
+async function sessionPage(sessionId, seq) {
   const s = await api("GET", `/sessions/${enc(sessionId)}?texts=true`);
+  if (overtaken(seq)) return;
   const completions = s.segments.flatMap((g) => g.completion_ids);
   const rewards = el("table", { testid: "rewards" },
     el("tr", {}, ...["reward", "turn", "key", "at"].map((h) => el("th", {}, h))),
@@ -233,17 +244,18 @@ function segmentTitle(g) {
 // --- routing ----------------------------------------------------------------------------------
 
 async function route() {
+  const seq = ++routeSeq;
   if (pollTimer) { clearInterval(pollTimer); pollTimer = null; }
   if (!token()) { showLogin(); return; }
   document.getElementById("login").hidden = true;
   document.getElementById("logout").hidden = false;
   const parts = location.hash.replace(/^#\/?/, "").split("/");
   try {
-    if (parts[0] === "runs" && parts[1]) await runPage(decodeURIComponent(parts[1]));
-    else if (parts[0] === "sessions" && parts[1]) await sessionPage(decodeURIComponent(parts[1]));
-    else await runsPage();
+    if (parts[0] === "runs" && parts[1]) await runPage(decodeURIComponent(parts[1]), seq);
+    else if (parts[0] === "sessions" && parts[1]) await sessionPage(decodeURIComponent(parts[1]), seq);
+    else await runsPage(seq);
   } catch (err) {
-    if (!(err instanceof ApiError && err.status === 401)) showError(err);
+    if (!overtaken(seq) && !(err instanceof ApiError && err.status === 401)) showError(err);
   }
 }
 
