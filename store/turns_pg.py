@@ -25,12 +25,16 @@ did.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import asyncpg
+from sqlalchemy import JSON
+from sqlalchemy.dialects.postgresql.base import PGDialect
 
 from store.db import Database, utcnow
 from store.errors import ConflictError, StoreError
+from store.tables import CompletionRow
 from store.turn_plan import (
     COMPLETION_COLUMNS,
     ClaimedSession,
@@ -64,28 +68,14 @@ SELECT id, segment_id, prefix_len, status,
        (octet_length(prompt_delta) + octet_length(output_ids)) / 4 AS tokens
 FROM completions WHERE id = ANY($1::varchar[])
 """
-_JSON_COLUMNS = frozenset({"sampling", "request", "response"})
+_COMPLETIONS = CompletionRow.__table__.c
+_PG = PGDialect()  # type: ignore[no-untyped-call]
+_JSON_COLUMNS = frozenset(c for c in COMPLETION_COLUMNS if isinstance(_COMPLETIONS[c].type, JSON))
 _COMPLETION_TYPES = {
-    "id": "varchar",
-    "session_id": "varchar",
-    "segment_id": "varchar",
-    "turn": "int",
-    "prefix_len": "int",
-    "prompt_delta": "bytea",
-    "output_ids": "bytea",
-    "logprobs": "bytea",
-    "versions": "bytea",
-    "min_version": "int",
-    "max_version": "int",
-    "finish_reason": "varchar",
-    "status": "varchar",
-    "side": "varchar",
-    "sampling": "json",
-    "request": "json",
-    "response": "json",
-    "latency_ms": "float8",
-    "ttft_ms": "float8",
-    "created_at": "timestamptz",
+    # the column's own PostgreSQL type, without a length: a cast to varchar(n) would cut a longer
+    # value where the insert refuses it
+    c: re.sub(r"\(\d+\)", "", _COMPLETIONS[c].type.compile(dialect=_PG))
+    for c in COMPLETION_COLUMNS
 }
 _C = 11  # the completions' parameters start at $12
 _COMPLETION_ARRAYS = ", ".join(
