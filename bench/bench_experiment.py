@@ -7,16 +7,22 @@ accuracy at every evaluation, and one figure of all the curves.
         --out bench-math [KEY=VALUE ...]
     .venv/bin/python bench/bench_experiment.py --collect bench-math/seed0 bench-math/control
 
-`--collect` only reads finished runs' folders (metrics.jsonl, summary.json). A run's seed sets the
-trainer's seed (`optim.seed`) and the data order (`dataset.seed`).
+`--collect` only reads finished runs' folders (metrics.jsonl, summary.json; a run stopped early
+has no summary.json and is read from its metrics alone). A run's seed sets the trainer's seed
+(`optim.seed`) and the data order (`dataset.seed`). A second table reads each evaluation's
+episodes out of the run's own store (`store.db`, the embedded gateway's): how many held-out
+problems were solved at the first, second, ... answer (the first turn with a positive reward),
+and how many answers the `max_tokens` cap cut, at each answer position.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +36,63 @@ def read(out: Path) -> dict[str, Any]:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     evals = [r for r in rows if "eval_rows" in r]
     train = [r for r in rows if "reward_mean" in r and "eval_rows" not in r]
-    summary = json.loads((out / "summary.json").read_text())
+    path = out / "summary.json"
+    if path.exists():
+        summary = json.loads(path.read_text())
+    else:  # stopped before its end: what its metrics say
+        summary = {
+            "steps": max((r["step"] for r in train), default=0),
+            "episodes": sum(int(r.get("trajectories", 0)) for r in train),
+            "failures": {},
+            "seconds": float("nan"),
+        }
     return {"name": out.name, "evals": evals, "train": train, "summary": summary}
+
+
+async def _answers(out: Path) -> dict[int, dict[str, Counter[int]]]:
+    """Per evaluation step: `solved`, problems by the answer (1, 2, ...) first rewarded, 0 for
+    never; `cut`, answers by position that `max_tokens` cut."""
+    from store.store import Store
+    from store.types import SessionFilter
+
+    eval_run = json.loads((out / "experiment.json").read_text())["eval_run_id"]
+    store = await Store.connect(f"sqlite:///{(out / 'store.db').resolve()}", upgrade=False)
+    steps: dict[int, dict[str, Counter[int]]] = {}
+    try:
+        async for detail, _ in store.export_sessions(eval_run, SessionFilter()):
+            meta = detail.info.metadata
+            assert isinstance(meta, dict)
+            ids = [c for seg in detail.segments for c in seg.completion_ids]
+            paid = {r.completion_id for r in detail.rewards if r.value > 0}
+            final = any(r.value > 0 and r.completion_id is None for r in detail.rewards)
+            at = next((k + 1 for k, c in enumerate(ids) if c in paid), len(ids) if final else 0)
+            row = steps.setdefault(int(meta["eval_step"]), {"solved": Counter(), "cut": Counter()})
+            row["solved"][at] += 1
+            for k, c in enumerate(ids):
+                row["cut"][k + 1] += detail.finish_reasons.get(c) == "length"
+    finally:
+        await store.close()
+    return steps
+
+
+def answers_table(folders: list[Path]) -> str:
+    """Each evaluation's problems by the answer that first solved them, and the cut answers."""
+    read_out = {f: asyncio.run(_answers(f)) for f in folders if (f / "store.db").exists()}
+    lines = [
+        "| run | step | problems | solved at answer 1 / 2 / ... | never | "
+        "cut by max_tokens at answer 1 / 2 / ... |",
+        "|---|---|---|---|---|---|",
+    ]
+    for folder, steps in read_out.items():
+        n = max((k for r in steps.values() for k in r["cut"]), default=1)
+        for step, r in sorted(steps.items()):
+            solved = " / ".join(str(r["solved"][k]) for k in range(1, n + 1))
+            cut = " / ".join(str(r["cut"][k]) for k in range(1, n + 1))
+            total = sum(r["solved"].values())
+            lines.append(
+                f"| {folder.name} | {step} | {total} | {solved} | {r['solved'][0]} | {cut} |"
+            )
+    return "\n".join(lines)
 
 
 def table(runs: list[dict[str, Any]]) -> str:
@@ -102,6 +163,8 @@ def main() -> None:
             folders.append(out)
     runs = [read(f) for f in folders]
     print(table(runs))
+    print()
+    print(answers_table(folders))
     fig = Path(args.figure) if args.figure else root / "accuracy.png"
     fig.parent.mkdir(parents=True, exist_ok=True)
     figure(runs, fig, args.spec or "held-out accuracy")
