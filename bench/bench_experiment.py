@@ -12,7 +12,9 @@ has no summary.json and is read from its metrics alone). A run's seed sets the t
 (`optim.seed`) and the data order (`dataset.seed`). A second table reads each evaluation's
 episodes out of the run's own store (`store.db`, the embedded gateway's): how many held-out
 problems were solved at the first, second, ... answer (the first turn with a positive reward),
-and how many answers the `max_tokens` cap cut, at each answer position.
+and how many answers the `max_tokens` cap cut, at each answer position. A third reads the
+trained episodes: per five steps, the answers the cap cut and those that finished, and how
+many of each the grader paid (before `algo.zero_truncated_reward` takes a cut answer's reward).
 """
 
 from __future__ import annotations
@@ -73,6 +75,57 @@ async def _answers(out: Path) -> dict[int, dict[str, Counter[int]]]:
     finally:
         await store.close()
     return steps
+
+
+async def _trained(out: Path) -> dict[int, Counter[str]]:
+    """Per block of `BLOCK` training steps: the trained episodes' answers, `cut` (finish reason
+    length) or `finished`, and how many of each the grader paid (`cut paid`, `finished paid`: a
+    turn reward above 0, or the final reward on the last answer), whatever the trainer then
+    made of the reward (`algo.zero_truncated_reward` takes a cut answer's)."""
+    from store.store import Store
+    from store.types import SessionFilter
+
+    run_id = json.loads((out / "experiment.json").read_text())["run_id"]
+    store = await Store.connect(f"sqlite:///{(out / 'store.db').resolve()}", upgrade=False)
+    blocks: dict[int, Counter[str]] = {}
+    try:
+        async for detail, _ in store.export_sessions(run_id, SessionFilter()):
+            step = detail.info.consumed_step
+            if step is None or step < 1:
+                continue
+            ids = [c for seg in detail.segments for c in seg.completion_ids]
+            paid = {r.completion_id for r in detail.rewards if r.value > 0}
+            if ids and any(r.value > 0 and r.completion_id is None for r in detail.rewards):
+                paid.add(ids[-1])
+            n = blocks.setdefault((step - 1) // BLOCK, Counter())
+            n["last step"] = max(n["last step"], step)
+            for c in ids:
+                kind = "cut" if detail.finish_reasons.get(c) == "length" else "finished"
+                n[kind] += 1
+                n[f"{kind} paid"] += c in paid
+    finally:
+        await store.close()
+    return blocks
+
+
+BLOCK = 5
+"""Training steps per row of the trained-answers table."""
+
+
+def trained_table(folders: list[Path]) -> str:
+    """The training batches' answers, cut or finished, and those the grader paid."""
+    read_out = {f: asyncio.run(_trained(f)) for f in folders if (f / "store.db").exists()}
+    lines = [
+        "| run | steps | answers cut by max_tokens (graded right) | finished (graded right) |",
+        "|---|---|---|---|",
+    ]
+    for folder, blocks in read_out.items():
+        for b, n in sorted(blocks.items()):
+            lines.append(
+                f"| {folder.name} | {b * BLOCK + 1}-{n['last step']} | {n['cut']} "
+                f"({n['cut paid']}) | {n['finished']} ({n['finished paid']}) |"
+            )
+    return "\n".join(lines)
 
 
 def answers_table(folders: list[Path]) -> str:
@@ -165,6 +218,8 @@ def main() -> None:
     print(table(runs))
     print()
     print(answers_table(folders))
+    print()
+    print(trained_table(folders))
     fig = Path(args.figure) if args.figure else root / "accuracy.png"
     fig.parent.mkdir(parents=True, exist_ok=True)
     figure(runs, fig, args.spec or "held-out accuracy")

@@ -35,12 +35,10 @@ def check_gamma(gamma: float) -> None:
         raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
 
 
-def discounted_returns(
-    turn_ids: Sequence[str], rewards: Sequence[Reward], gamma: float
-) -> dict[str, float]:
-    """G_i = r_i + gamma * G_{i+1} over the turns in order; r_i sums the turn's own rewards and
-    the final (completion-less) rewards count on the last turn; rewards of turns not listed (left
-    out, see the module docstring) count nowhere. Empty when there are no turns."""
+def turn_rewards(turn_ids: Sequence[str], rewards: Sequence[Reward]) -> dict[str, float]:
+    """r_i over the turns in order: the sum of the turn's own rewards, the final
+    (completion-less) rewards counted on the last turn; rewards of turns not listed (left out,
+    see the module docstring) count nowhere. Empty when there are no turns."""
     if not turn_ids:
         return {}
     r = dict.fromkeys(turn_ids, 0.0)
@@ -48,12 +46,24 @@ def discounted_returns(
         turn = turn_ids[-1] if reward.completion_id is None else reward.completion_id
         if turn in r:
             r[turn] += reward.value
+    return r
+
+
+def discounted_returns(
+    turn_ids: Sequence[str], rewards: Sequence[Reward], gamma: float
+) -> dict[str, float]:
+    """G_i = r_i + gamma * G_{i+1} over the turns in order, r_i as `turn_rewards` sums it."""
+    return discounted(turn_rewards(turn_ids, rewards), gamma)
+
+
+def discounted(r: dict[str, float], gamma: float) -> dict[str, float]:
+    """G_i = r_i + gamma * G_{i+1} over `r`'s turns in order."""
     returns: dict[str, float] = {}
     g = 0.0
-    for turn in reversed(turn_ids):
+    for turn in reversed(r):
         g = r[turn] + gamma * g
         returns[turn] = g
-    return {turn: returns[turn] for turn in turn_ids}
+    return {turn: returns[turn] for turn in r}
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +98,17 @@ class Loaded:
             for v, m in zip(seg.versions, seg.loss_mask, strict=True)
             if m
         ]
+        per_turn = turn_rewards(self.turn_ids, rewards)
         return Trajectory(
             session=self.info,
             segments=self.segments,
-            returns=discounted_returns(self.turn_ids, rewards, gamma),
+            returns=discounted(per_turn, gamma),
             reward=math.fsum(r.value for r in rewards),
             min_version=min(versions, default=-1),
             aborted_turns=self.aborted_turns,
             side_turns=self.side_turns,
+            turn_rewards=per_turn,
+            finish_reasons=self.finish_reasons,
         )
 
 

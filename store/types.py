@@ -246,6 +246,11 @@ class Trajectory:
     """Aborted turns left out of its segments (context at most, never trained)."""
     side_turns: int = 0
     """Side requests' turns left out of its segments (`store.run_config`, side requests)."""
+    turn_rewards: dict[str, float] = field(default_factory=dict)
+    """Per completion id (in turn order, as `returns`): r_i, the turn's own rewards, the final
+    reward added to the last turn; `returns` discounts these."""
+    finish_reasons: dict[str, str] = field(default_factory=dict)
+    """Per completion id: why its sampling ended (`length`: `max_tokens` or the context cut it)."""
 
 
 class RunStatus(enum.StrEnum):

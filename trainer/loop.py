@@ -540,6 +540,7 @@ class Trainer:
             "untrainable_turns": built.untrainable_turns,
             "aborted_turns": built.aborted_turns,
             "side_turns": built.side_turns,
+            "truncated_turns": built.truncated_turns,
         }
         self.settled.clear()
         return counts

@@ -1,6 +1,8 @@
 """From reward-labelled trajectories (the store's) to training sequences with token advantages.
 
-Order of operations (AReaL's): DAPO overlong shaping of the episode rewards, dynamic sampling
+Order of operations (AReaL's): no task reward for a turn `max_tokens` cut when
+`zero_truncated_reward` is on (its turn rewards zeroed, the returns taken again; AReaL's
+`mask_no_eos_with_zero`), DAPO overlong shaping of the episode rewards, dynamic sampling
 (drop groups whose rewards are all equal), the group baseline, then per-turn values broadcast over
 each turn's sampled tokens (`build_sequences`); then the per-token KL to the reference subtracted
 from the token rewards as a reward-to-go (`kl_token_rewards`), and batch normalisation over all
@@ -31,12 +33,15 @@ returns the critic regresses on.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from engines.base import FinishReason
 from store.run_config import constrained_turn, reproducible_temperature
+from store.trajectories import discounted
 from store.types import Segment, Trajectory
 from trainer.algorithms.advantages import (
     gae,
@@ -86,11 +91,35 @@ class Built:
     as context, left out of the loss."""
     stale_tokens: int = 0
     """Sampled tokens left out of the loss as older than the staleness bound (context only)."""
+    truncated_turns: int = 0
+    """Turns of the given trajectories that `max_tokens` (or the context) cut (finish reason
+    `length`): rewarded as graded, or with no task reward under `zero_truncated_reward`."""
 
     @property
     def dropped(self) -> list[Trajectory]:
         """Every trajectory left out (filtered, untrainable, stale)."""
         return [*self.filtered, *self.untrainable, *self.stale]
+
+
+def truncated_turns_unrewarded(t: Trajectory, discount: float) -> Trajectory:
+    """`t` with no task reward on the turns `max_tokens` cut (`zero_truncated_reward`): their
+    turn rewards (the final reward too, on a cut last turn) are 0, and the returns and the
+    episode reward are taken again without them."""
+    cut = [c for c, r in t.finish_reasons.items() if r == FinishReason.LENGTH and c in t.returns]
+    if not cut:
+        return t
+    if t.turn_rewards.keys() != t.returns.keys():
+        raise ValueError(
+            f"session {t.session.id}: zero_truncated_reward needs the per-turn rewards of its "
+            "turns, and the trajectory does not carry them"
+        )
+    per_turn = {c: 0.0 if c in cut else r for c, r in t.turn_rewards.items()}
+    return dataclasses.replace(
+        t,
+        turn_rewards=per_turn,
+        returns=discounted(per_turn, discount),
+        reward=t.reward - math.fsum(t.turn_rewards[c] for c in cut),
+    )
 
 
 def _group_key(t: Trajectory) -> str:
@@ -187,6 +216,11 @@ def build_sequences(
     `temperature` is the run's, for turns that record none. `fresh(version)` says whether a
     token sampled by that policy version may be trained (the staleness bound); a token it
     refuses stays context, and a trajectory left with none is `stale`."""
+    truncated = sum(
+        r == FinishReason.LENGTH for t in trajectories for r in t.finish_reasons.values()
+    )
+    if algo.zero_truncated_reward:
+        trajectories = [truncated_turns_unrewarded(t, discount) for t in trajectories]
     keys = [_group_key(t) for t in trajectories]
     task = [t.reward for t in trajectories]
     rewards = list(task)
@@ -278,6 +312,7 @@ def build_sequences(
         side_turns=sum(t.side_turns for t in trajectories),
         untrainable_turns=untrainable,
         stale_tokens=stale,
+        truncated_turns=truncated,
     )
 
 

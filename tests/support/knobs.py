@@ -35,6 +35,8 @@ class Turn:
     reward: float = 0.0
     sampling: dict[str, Any] | None = None
     offset: float = 0.0
+    cut: bool = False
+    """`max_tokens` cut it (finish reason `length`)."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,7 @@ def build_trajectories(
         ep = d["episode"]
         segments = []
         turn_rewards: list[tuple[str, float]] = []
+        finish: dict[str, str] = {}
         for s, seg in enumerate(d["segments"]):
             behav = [
                 (lp + off) if m else 0.0
@@ -165,6 +168,10 @@ def build_trajectories(
                 )
             )
             turn_rewards += [(c, t.reward) for c, t in zip(seg["cids"], seg["turns"], strict=True)]
+            finish |= {
+                c: "length" if t.cut else "stop"
+                for c, t in zip(seg["cids"], seg["turns"], strict=True)
+            }
         returns: dict[str, float] = {}
         running, last = 0.0, True
         for cid, r in reversed(turn_rewards):
@@ -173,6 +180,8 @@ def build_trajectories(
             returns[cid] = running
         returns = dict(reversed(returns.items()))
         total = ep.final_reward + sum(r for _, r in turn_rewards)
+        per_turn = dict(turn_rewards)
+        per_turn[turn_rewards[-1][0]] += ep.final_reward
         out.append(
             Trajectory(
                 session=_session(f"sess{e}", ep.group),
@@ -180,6 +189,8 @@ def build_trajectories(
                 returns=returns,
                 reward=total,
                 min_version=0,
+                turn_rewards=per_turn,
+                finish_reasons=finish,
             )
         )
     return out
@@ -258,6 +269,20 @@ MULTI_TURN = [
 """Multi-turn groups (per-turn rewards, uniform, near-uniform) in one batch with a single-turn
 group."""
 
+CUT_TURNS = [
+    # group m: turns max_tokens cut (`cut`), rewarded by their grader: a cut first turn with a
+    # turn reward, a cut last turn carrying the final reward, and a cut turn that earned nothing
+    Episode("m", ((P(5), Turn(6, reward=1.0, cut=True), P(3), Turn(5)),), 0.5),
+    Episode("m", ((P(5), Turn(8), P(3), Turn(6, cut=True)),), 1.0),
+    Episode("m", ((P(5), Turn(7, cut=True), P(3), Turn(6, reward=0.3)),), 0.0),
+    Episode("m", ((P(5), Turn(6), P(3), Turn(7)),), 0.2),
+    # group s: single turns, a cut one graded right among them
+    Episode("s", ((P(6), Turn(9, cut=True)),), 1.0),
+    Episode("s", ((P(6), Turn(8)),), 1.0),
+    Episode("s", ((P(6), Turn(7)),), 0.0),
+]
+"""Turns `max_tokens` cut, graded as if whole (`zero_truncated_reward` takes their rewards)."""
+
 SHARED_PROMPTS = [
     # groups a and b, each answering one 20-token prompt (shared: trainer.prefix.prefix_units)
     Episode("a", ((P(20, "a"), Turn(10)),), final_reward=1.0),
@@ -278,9 +303,10 @@ INPUTS: dict[str, tuple[list[Episode], float]] = {
     "context_only_plain": (_context_only(plain=True), 0.3),
     "multiturn": (MULTI_TURN, 0.3),
     "multiturn_discounted": (MULTI_TURN, 0.3),
+    "cut_turns": (CUT_TURNS, 0.3),
     "shared_prompts": (SHARED_PROMPTS, 0.3),
 }
-DISCOUNTS = {"multiturn_discounted": 0.5}
+DISCOUNTS = {"multiturn_discounted": 0.5, "cut_turns": 0.5}
 """The run's per-turn discount for an input (1 for the others): its returns are built with it."""
 """name -> (episodes, behaviour noise). "far": behaviour logprobs spread far from the initial
 policy's (importance weights beyond the cap, ratios beyond the dual clip)."""

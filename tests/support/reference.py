@@ -4,6 +4,9 @@ Written from the math of the step (AReaL's order), not from `trainer/`: it impor
 config types (`TrainConfig`, `AlgorithmConfig`) and the store's dataclasses. Everything is plain
 torch in float64, one sequence per forward pass (no packing), loops where a loop is clearer:
 
+0. truncated turns (`zero_truncated_reward`): a turn whose finish reason is `length` counts
+   its reward (and the final reward, on the last turn) as 0; the returns are summed again,
+   `G_i = r_i + discount * G_{i+1}`, and the episode reward is the sum of the r_i;
 1. overlong shaping: `r' = r + clamp(-(L - (max_tokens - buffer)) / buffer * factor, -factor, 0)`,
    with L the trajectory's longest sampled span; `shift = r' - r`;
 2. dynamic sampling: drop every group whose task rewards (before shaping) are all equal (a
@@ -33,7 +36,7 @@ import math
 import random
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +167,31 @@ def shaped_rewards(trajs: list[Trajectory], cfg: TrainConfig, algo: AlgorithmCon
         excess = _longest_span(t) - (max_tokens - buffer)
         penalty = max(min(-excess / buffer * factor, 0.0), -factor)
         out.append(t.reward + penalty)
+    return out
+
+
+def without_truncated_rewards(
+    trajs: list[Trajectory], cfg: TrainConfig, algo: AlgorithmConfig
+) -> list[Trajectory]:
+    """Step 0: each trajectory with its cut turns' rewards taken away (unchanged when off)."""
+    if not algo.zero_truncated_reward:
+        return trajs
+    out = []
+    for t in trajs:
+        r = {
+            cid: 0.0 if t.finish_reasons[cid] == "length" else t.turn_rewards[cid]
+            for cid in t.returns
+        }
+        returns: dict[str, float] = {}
+        g = 0.0
+        for cid in reversed(list(r)):
+            g = r[cid] + cfg.discount * g
+            returns[cid] = g
+        out.append(
+            replace(
+                t, returns={cid: returns[cid] for cid in r}, reward=sum(r.values()), turn_rewards=r
+            )
+        )
     return out
 
 
@@ -475,7 +503,8 @@ def reference_step(
     model = load_model(model_dir)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    # 1-3
+    # 0-3
+    trajs = without_truncated_rewards(trajs, cfg, algo)
     shaped = shaped_rewards(trajs, cfg, algo)
     kept = kept_after_dynamic_sampling(trajs, algo)
     shift = {i: shaped[i] - trajs[i].reward for i in kept}

@@ -2,7 +2,8 @@
 
 The pipeline these knobs describe (the trainer applies it in this order, as AReaL does):
 
-1. shaping: DAPO overlong penalty (`overlong_buffer`), dynamic sampling (`dynamic_sampling`);
+1. shaping: no task reward for a turn `max_tokens` cut (`zero_truncated_reward`), DAPO
+   overlong penalty (`overlong_buffer`), dynamic sampling (`dynamic_sampling`);
 2. per-trajectory baseline against its group (`group_baseline`);
 3. token advantages: GAE with a critic (`use_critic`, `lam`), otherwise the discounted
    reward-to-go (GAE with V = 0, lam = 1); a KL penalty goes into the token rewards when
@@ -101,6 +102,11 @@ class AlgorithmConfig(BaseModel):
     """The overlong penalty reached at max_tokens."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal."""
+    zero_truncated_reward: bool = False
+    """AReaL's `mask_no_eos_with_zero`: a turn whose sampling `max_tokens` (or the context) cut
+    (finish reason `length`) earns no task reward, whatever its grader gave; the final reward
+    counts as 0 too when the last turn was cut. Applied first: shaping and dynamic sampling see
+    the rewards without them."""
 
     # -- what the algorithm needs: the loop builds and runs only these -------------------------
 

@@ -1,6 +1,6 @@
 """The trajectory store's side of training, on a real SQLite file and a real PostgreSQL database
-(each test runs on both): discounted returns, and claims (leases, consume, release, concurrent
-claimers getting disjoint sets that cover everything)."""
+(each test runs on both): discounted returns, cut turns, and claims (leases, consume, release,
+concurrent claimers getting disjoint sets that cover everything)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from store import (
 )
 from store.types import Outcome, TrainState
 from tests.support.store_records import one_turn_session, rec
+from trainer.algorithms.config import AlgorithmConfig
+from trainer.sequences import build_sequences, truncated_turns_unrewarded
 
 
 async def test_discounted_returns_match_a_hand_computed_example(store: Store) -> None:
@@ -54,6 +56,52 @@ async def test_discounted_returns_match_a_hand_computed_example(store: Store) ->
     assert trajectory.min_version == 4
     with pytest.raises(ValueError, match="gamma"):
         await store.session_detail(sid, gamma=1.1)
+
+
+async def test_a_cut_turn_reaches_the_trainer_which_can_take_its_reward(store: Store) -> None:
+    """The trajectory carries each turn's own reward and finish reason; under
+    `zero_truncated_reward` the turn `max_tokens` cut (cut0, graded 1.0) earns nothing and the
+    returns are discounted again without it."""
+    run = await store.create_run("cut", {})
+    (new,) = await store.create_sessions(run.id, 1)
+    sid = new.info.id
+    await store.record_completions(
+        [
+            rec(
+                "cut0",
+                sid,
+                0,
+                prompt=[1],
+                prefix_len=0,
+                output=[2, 3],
+                opens=True,
+                finish_reason="length",
+            )
+        ]
+    )
+    await store.record_completions(
+        [rec("cut1", sid, 0, prompt=[1, 2, 3, 7], prefix_len=3, output=[8])]
+    )
+    await store.add_reward(sid, 1.0, completion_id="cut0")
+    await store.add_reward(sid, 0.5)
+    await store.end_session(sid)
+
+    (t,) = await store.list_trainable(run.id, gamma=0.5)
+    assert t.turn_rewards == {"cut0": 1.0, "cut1": 0.5}
+    assert t.finish_reasons == {"cut0": "length", "cut1": "stop"}
+    assert t.returns == pytest.approx({"cut0": 1.25, "cut1": 0.5})
+    cut = truncated_turns_unrewarded(t, 0.5)
+    assert cut.turn_rewards == {"cut0": 0.0, "cut1": 0.5}
+    assert cut.returns == pytest.approx({"cut0": 0.25, "cut1": 0.5})
+    assert (t.reward, cut.reward) == (1.5, 0.5)
+    on = build_sequences([t], AlgorithmConfig(zero_truncated_reward=True), discount=0.5)
+    off = build_sequences([t], AlgorithmConfig(), discount=0.5)
+    assert (on.rewards, off.rewards, on.truncated_turns, off.truncated_turns) == (
+        [0.5],
+        [1.5],
+        1,
+        1,
+    )
 
 
 # the trainer's queue

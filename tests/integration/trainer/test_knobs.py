@@ -69,6 +69,16 @@ def dropped_groups(on: Result, off: Result) -> bool:
     } and not off.update.built.dropped
 
 
+def cut_unrewarded(on: Result, off: Result) -> bool:
+    """The four cut turns are counted either way; only `on` takes their rewards (three of
+    them had one), so its trained rewards sum to less."""
+    got, raw = on.update.built, off.update.built
+    return (
+        got.truncated_turns == raw.truncated_turns == 4
+        and sum(got.rewards) < sum(raw.rewards) - 1.0
+    )
+
+
 def lone_advantage(nonzero: bool) -> Binds:
     """The ungrouped trajectory's raw advantage is 0 under a baseline, not under none."""
 
@@ -240,6 +250,12 @@ CASES = [
         setup(overlong_buffer=8, overlong_penalty_factor=0.25),
         setup(overlong_buffer=8),
         shaped,
+    ),
+    Case(
+        "zero_truncated_reward",
+        setup("cut_turns", zero_truncated_reward=True),
+        setup("cut_turns"),
+        cut_unrewarded,
     ),
     Case(
         "dynamic_sampling",

@@ -85,6 +85,7 @@ def test_every_knob_is_overridable() -> None:
         "overlong_buffer": 128,
         "overlong_penalty_factor": 0.5,
         "dynamic_sampling": True,
+        "zero_truncated_reward": True,
     }
     assert set(overrides) == set(AlgorithmConfig.model_fields)
     cfg = algorithm_config("grpo", **overrides)
