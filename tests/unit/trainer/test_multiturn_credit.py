@@ -1,18 +1,20 @@
 """Multi-turn credit assignment: each turn's return against its turn position in the group, the
 per-turn discount in GAE and the KL reward-to-go, checked against float64 loops and against the
-failure they replace (a uniform group's later turns got advantages of 9,000 and 19,000)."""
+failure they replace (a uniform group's later turns got advantages of 9,000 and 19,000); a cut
+turn's reward taken by `zero_truncated_reward`."""
 
 from __future__ import annotations
 
 import math
 import random
 from collections import defaultdict
+from datetime import UTC, datetime
 
 import pytest
 import torch
 
 from store.trajectories import discounted_returns
-from store.types import Reward
+from store.types import Reward, SessionInfo, SessionStatus, TrainState, Trajectory
 from trainer.algorithms.advantages import (
     gae,
     normalize,
@@ -20,6 +22,7 @@ from trainer.algorithms.advantages import (
     turn_discounts,
     turn_group_advantages,
 )
+from trainer.sequences import truncated_turns_unrewarded
 
 F64 = torch.float64
 
@@ -171,3 +174,32 @@ def test_gae_with_a_per_turn_discount_gives_each_turn_its_return() -> None:
 def test_a_reward_of_a_turn_without_tokens_is_discounted_onto_the_turn_before() -> None:
     r = rewards_at_turn_ends(torch.tensor([0.0, 1.0], dtype=F64), [(1, 3), (3, 3)], 4, 0.5)
     assert r.tolist() == [0.0, 0.0, 0.5, 0.0]
+
+
+def _trajectory(finish: dict[str, str], per_turn: dict[str, float] | None) -> Trajectory:
+    now = datetime(2025, 1, 1, tzinfo=UTC)
+    info = SessionInfo(
+        id="sess-cut",
+        run_id="run",
+        group_id=None,
+        metadata={},
+        status=SessionStatus.ENDED,
+        created_at=now,
+        ended_at=now,
+        prefix_breaks=0,
+        train_state=TrainState.CLAIMED,
+    )
+    returns = {"a": 1.5, "b": 1.0}  # r = (1.0, 1.0) at discount 0.5
+    return Trajectory(info, [], returns, 2.0, 0, turn_rewards=per_turn or {}, finish_reasons=finish)
+
+
+def test_zero_truncated_reward_takes_a_cut_turns_reward_or_refuses_without_it() -> None:
+    whole = _trajectory({"a": "stop", "b": "stop"}, None)
+    assert truncated_turns_unrewarded(whole, 0.5) is whole  # nothing cut: as it was
+    cut = truncated_turns_unrewarded(
+        _trajectory({"a": "length", "b": "stop"}, {"a": 1.0, "b": 1.0}), 0.5
+    )
+    assert (cut.returns, cut.reward) == ({"a": 0.5, "b": 1.0}, 1.0)
+    # a hand-built trajectory without its turns' own rewards is refused, not trained wrong
+    with pytest.raises(ValueError, match="sess-cut: zero_truncated_reward needs"):
+        truncated_turns_unrewarded(_trajectory({"a": "length", "b": "stop"}, None), 0.5)
