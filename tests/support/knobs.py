@@ -58,7 +58,8 @@ class Episode:
     final_reward: float = 0.0
 
 
-def _session(sid: str, group: str | None) -> SessionInfo:
+def claimed_session(sid: str, group: str | None) -> SessionInfo:
+    """An ended session's info, claimed by the trainer: what a hand-built trajectory holds."""
     now = datetime(2025, 1, 1, tzinfo=UTC)
     return SessionInfo(
         id=sid,
@@ -184,7 +185,7 @@ def build_trajectories(
         per_turn[turn_rewards[-1][0]] += ep.final_reward
         out.append(
             Trajectory(
-                session=_session(f"sess{e}", ep.group),
+                session=claimed_session(f"sess{e}", ep.group),
                 segments=segments,
                 returns=returns,
                 reward=total,

@@ -8,13 +8,13 @@ from __future__ import annotations
 import math
 import random
 from collections import defaultdict
-from datetime import UTC, datetime
 
 import pytest
 import torch
 
 from store.trajectories import discounted_returns
-from store.types import Reward, SessionInfo, SessionStatus, TrainState, Trajectory
+from store.types import Reward, Trajectory
+from tests.support.knobs import claimed_session
 from trainer.algorithms.advantages import (
     gae,
     normalize,
@@ -177,18 +177,7 @@ def test_a_reward_of_a_turn_without_tokens_is_discounted_onto_the_turn_before() 
 
 
 def _trajectory(finish: dict[str, str], per_turn: dict[str, float] | None) -> Trajectory:
-    now = datetime(2025, 1, 1, tzinfo=UTC)
-    info = SessionInfo(
-        id="sess-cut",
-        run_id="run",
-        group_id=None,
-        metadata={},
-        status=SessionStatus.ENDED,
-        created_at=now,
-        ended_at=now,
-        prefix_breaks=0,
-        train_state=TrainState.CLAIMED,
-    )
+    info = claimed_session("sess-cut", None)
     returns = {"a": 1.5, "b": 1.0}  # r = (1.0, 1.0) at discount 0.5
     return Trajectory(info, [], returns, 2.0, 0, turn_rewards=per_turn or {}, finish_reasons=finish)
 
